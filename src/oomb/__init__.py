@@ -1,0 +1,10 @@
+"""oomb: train causal LMs on million-token contexts on one GPU.
+
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=4096, page_size=128)
+    result = engine.forward_backward(input_ids, labels)   # grads accumulated in .grad
+"""
+from .engine import ChunkRecurrentEngine, StepResult
+from .memory.spec import PageSpec
+
+__all__ = ["ChunkRecurrentEngine", "PageSpec", "StepResult"]
+__version__ = "0.1.0"

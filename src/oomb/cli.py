@@ -1,0 +1,112 @@
+"""`oomb train | plan | eval`: thin wrappers that parse flags into dataclasses and call in."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+import torch
+
+
+def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
+    for f in dataclasses.fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
+
+
+def _parse_tokens(text: str) -> int:
+    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096."""
+    text = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
+    return int(float(text[:-1] if scale > 1 else text) * scale)
+
+
+def cmd_train(args) -> None:
+    from .train.config import TrainConfig
+    from .train.trainer import train
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    train(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))
+
+
+def cmd_plan(args) -> None:
+    from transformers import AutoConfig
+
+    from .plan import plan
+    from .presets import PRESETS, preset_config
+
+    config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
+    grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
+    for seq_len in args.seq_len:
+        p = plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
+                 kv_grad_dtype=grad_dtype)
+        if args.json:
+            print(json.dumps(p.as_dict()))
+            continue
+        print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {args.chunk_size}, page {args.page_size}, "
+              f"bf16 weights, {args.kv_grad_dtype} dK/dV pages, AdamW, offload none")
+        print(p.table())
+        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token\n")
+
+
+def cmd_eval(args) -> None:
+    from .engine import ChunkRecurrentEngine
+    from .presets import load_model
+    from .train.data import make_data
+    from .train.trainer import resolve_device
+
+    device = resolve_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = load_model(args.model, dtype=dtype, device=device).eval()
+    engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size)
+    data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed)
+    total = tokens = 0
+    for _ in range(args.batches):
+        ids, labels = next(data)
+        r = engine.evaluate(ids, labels)
+        total += float(r.loss) * r.num_tokens
+        tokens += r.num_tokens
+    print(json.dumps({"model": args.model, "data": args.data, "seq_len": args.seq_len, "tokens": tokens,
+                      "loss": total / tokens}))
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .train.config import TrainConfig
+
+    parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_train = sub.add_parser("train", help="train a model (default: the embedded tiny demo, CPU is enough)")
+    _add_dataclass_args(p_train, TrainConfig)
+    p_train.set_defaults(func=cmd_train)
+
+    p_plan = sub.add_parser("plan", help="memory a training step needs, before allocating any")
+    p_plan.add_argument("--model", default="qwen2.5-7b", help="preset name or local checkpoint")
+    p_plan.add_argument("--seq-len", type=_parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
+    p_plan.add_argument("--batch", type=int, default=1)
+    p_plan.add_argument("--chunk-size", type=int, default=4096)
+    p_plan.add_argument("--page-size", type=int, default=128)
+    p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
+    p_plan.add_argument("--json", action="store_true")
+    p_plan.set_defaults(func=cmd_plan)
+
+    p_eval = sub.add_parser("eval", help="loss of a model on data, no gradients")
+    p_eval.add_argument("--model", default="tiny")
+    p_eval.add_argument("--data", default="copy")
+    p_eval.add_argument("--seq-len", type=_parse_tokens, default=4096)
+    p_eval.add_argument("--batches", type=int, default=4)
+    p_eval.add_argument("--chunk-size", type=int, default=1024)
+    p_eval.add_argument("--page-size", type=int, default=128)
+    p_eval.add_argument("--device", default="auto")
+    p_eval.add_argument("--seed", type=int, default=1)
+    p_eval.set_defaults(func=cmd_eval)
+
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except ValueError as e:  # user errors: one clear line, no stack trace
+        sys.exit(f"oomb {args.command}: error: {e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""The two-stage chunk-recurrent step (design.md §2).
+
+    chunk 0 .. n-2                     stage 1, no autograd: run every layer, store each
+      -> layers -> pages               layer's post-RoPE K/V in pages, attend over the
+                                       earlier pages + the chunk itself
+    chunk n-1 .. 0                     stage 2: recompute the chunk with autograd (reading
+      -> layers (autograd) -> loss     the earlier pages), LM head + CE a slice at a time,
+      -> backward                      backward; attention adds dK/dV of earlier pages into
+      -> free the chunk's pages        their gradient pages, and the chunk's own dK/dV gets
+                                       what later chunks accumulated for it
+Every term of the full-sequence gradient is computed once, so gradients equal ordinary
+training up to rounding. Only one chunk's activations are alive at any time. The last chunk
+needs no stage 1: nothing after it reads its pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .attention import paged_attention, resolve_backend
+from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
+from .memory.spec import PageSpec
+from .memory.store import PagedKVStore, from_pages
+from .models import adapter_for
+
+OFFLOAD_MODES = ("none", "all", "auto")
+IMPLEMENTED_OFFLOAD = ("none",)
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # fp32 scalar: sum of CE over predicted tokens / num_tokens
+    num_tokens: int  # predicted (non-ignored) tokens, over the whole batch
+
+
+class ChunkRecurrentEngine:
+    """Computes loss and parameter gradients of a causal LM on long sequences, chunk by chunk.
+
+    The engine only computes gradients (accumulated into each parameter's .grad, exactly as
+    `loss.backward()` would); the optimizer and the data belong to the caller.
+    """
+
+    def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
+                 backend: str = "auto", offload: str = "none", sparse=None,
+                 kv_grad_dtype: torch.dtype = torch.float32) -> None:
+        for name, value in (("chunk_size", chunk_size), ("page_size", page_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise TypeError(f"{name} must be a positive int, got {value!r}")
+        if chunk_size % page_size:
+            raise ValueError(
+                f"chunk_size={chunk_size} is not a multiple of page_size={page_size}; "
+                f"use chunk_size={max(1, round(chunk_size / page_size)) * page_size}"
+            )
+        if offload not in OFFLOAD_MODES:
+            raise ValueError(f"offload={offload!r} is not one of {OFFLOAD_MODES}")
+        if offload not in IMPLEMENTED_OFFLOAD:
+            raise ValueError(f"offload={offload!r} is not implemented yet in this version; use offload='none'")
+        if sparse is not None:
+            raise ValueError(f"sparse={sparse!r} is not implemented yet in this version; use sparse=None (dense)")
+        if kv_grad_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32 or torch.bfloat16")
+        self.model = model
+        self.adapter = adapter_for(model)
+        self.chunk_size = chunk_size
+        self.page_size = page_size
+        self.offload = offload
+        self.sparse = sparse
+        weight = self.adapter.embed_tokens.weight
+        self.device = weight.device
+        self.backend = resolve_backend(backend, self.device)
+        self.spec = PageSpec(page_size, self.adapter.n_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
+        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                         num_tokens: int | None = None) -> StepResult:
+        """Loss of `model(input_ids, labels=labels)` and its gradients, accumulated into .grad.
+
+        input_ids: (B, T) integer token ids, T >= 2. labels: (B, T), default input_ids;
+        IGNORE_INDEX (-100) is not predicted; shifted by one as in transformers.
+        num_tokens: normalise by this count instead of this batch's predicted tokens (for
+        gradient accumulation over micro-batches or ranks: pass the global count).
+        """
+        input_ids, labels, count, bounds = self._prepare(input_ids, labels)
+        batch = input_ids.shape[0]
+        denominator = count if num_tokens is None else num_tokens
+        self.adapter.check_trainable()
+        pages_per_chunk = self.chunk_size // self.page_size
+        self.store.begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
+        rng_states = []
+        try:
+            with torch.no_grad():
+                for c, (start, end) in enumerate(bounds[:-1]):
+                    rng_states.append(self._rng_state())
+                    self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
+                    self._stage1_chunk(c, input_ids[:, start:end], start)
+            rng_states.append(self._rng_state())
+            total = torch.zeros((), dtype=torch.float32, device=self.device)
+            for c in reversed(range(len(bounds))):
+                start, end = bounds[c]
+                with torch.random.fork_rng(self._rng_devices()):
+                    self._set_rng_state(rng_states[c])
+                    total += self._stage2_chunk(c, input_ids[:, start:end], start,
+                                                shifted_targets(labels, start, end), denominator,
+                                                last=c == len(bounds) - 1)
+                if c < len(bounds) - 1:
+                    self.store.free_chunk(c)
+        finally:
+            self.store.free_all()
+        return StepResult(loss=total / denominator, num_tokens=count)
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> StepResult:
+        """Loss only (no gradients): one stage-1 pass over every chunk, LM head included."""
+        input_ids, labels, count, bounds = self._prepare(input_ids, labels)
+        batch = input_ids.shape[0]
+        pages_per_chunk = self.chunk_size // self.page_size
+        self.store.begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        try:
+            for c, (start, end) in enumerate(bounds):
+                last = c == len(bounds) - 1
+                if not last:
+                    self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
+                h = self._stage1_chunk(c, input_ids[:, start:end], start, store=not last, full=True)
+                ce_sum, _ = head_loss(self.adapter.norm, self.adapter.lm_head, h,
+                                      shifted_targets(labels, start, end), slice_tokens(self.adapter.vocab_size, batch))
+                total += ce_sum
+        finally:
+            self.store.free_all()
+        return StepResult(loss=total / count, num_tokens=count)
+
+    def _stage1_chunk(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
+                      full: bool = False) -> torch.Tensor:
+        """Run a chunk without autograd, storing its K/V; returns the final hidden states when
+        `full`, else stops after the last layer's K/V (nothing else of it is needed)."""
+        a = self.adapter
+        first_page = c * (self.chunk_size // self.page_size)
+        h = a.embed_tokens(ids)  # (B, C, hidden)
+        cos, sin = a.rope(h, start)
+        for i, layer in enumerate(a.layers):
+            q, k, v = a.project_qkv(layer, h, cos, sin)
+            if store:
+                self.store.write(i, first_page, k, v)
+            if i == a.n_layers - 1 and not full:
+                break  # later chunks read only this layer's K/V; its output feeds nothing
+            o = paged_attention(q, k, v, self.store.layer_pages(i, first_page, with_grad=False), a.scale, self.backend)
+            h = a.finish_layer(layer, h, o)
+        return h
+
+    def _stage2_chunk(self, c: int, ids: torch.Tensor, start: int, targets: torch.Tensor,
+                      denominator: int, last: bool) -> torch.Tensor:
+        a = self.adapter
+        pages_per_chunk = self.chunk_size // self.page_size
+        first_page = c * pages_per_chunk
+        with torch.enable_grad():
+            h = a.embed_tokens(ids)
+            cos, sin = a.rope(h, start)
+            for i, layer in enumerate(a.layers):
+                q, k, v = a.project_qkv(layer, h, cos, sin)
+                if not last:
+                    # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
+                    slots = self.store.table[i, :, first_page : first_page + pages_per_chunk]
+                    k = _AddPageGrad.apply(k, self.store.dk, slots)
+                    v = _AddPageGrad.apply(v, self.store.dv, slots)
+                pages = self.store.layer_pages(i, first_page, with_grad=True)
+                o = paged_attention(q, k, v, pages, a.scale, self.backend)
+                h = a.finish_layer(layer, h, o)
+            step = slice_tokens(a.vocab_size, ids.shape[0])
+            ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
+            h.backward(grad_h)
+        return ce_sum
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _prepare(self, input_ids, labels):
+        """Checked (input_ids, labels) on the model's device, the predicted-token count and
+        the chunks' (start, end) bounds."""
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
+            raise TypeError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}; use input_ids.long()")
+        if input_ids.dim() != 2:
+            raise ValueError(
+                f"input_ids must be (batch, seq_len), got shape {tuple(input_ids.shape)}; "
+                "for one sequence use input_ids[None]"
+            )
+        if input_ids.shape[1] < 2:
+            raise ValueError(f"seq_len={input_ids.shape[1]} is too short: at least 2 tokens are needed to predict one")
+        if labels is None:
+            labels = input_ids
+        if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
+            raise TypeError("labels must be an integer torch.Tensor (token ids, -100 where not predicted)")
+        if labels.shape != input_ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} does not match input_ids shape {tuple(input_ids.shape)}; "
+                "labels are per input position (shifted inside, as in transformers)"
+            )
+        input_ids, labels = input_ids.to(self.device, torch.long), labels.to(self.device, torch.long)
+        count = int((labels[:, 1:] != IGNORE_INDEX).sum())
+        if count == 0:
+            raise ValueError("labels predict no token (all of labels[:, 1:] are -100); nothing to train on")
+        seq_len = input_ids.shape[1]
+        bounds = [(s, min(s + self.chunk_size, seq_len)) for s in range(0, seq_len, self.chunk_size)]
+        return input_ids, labels, count, bounds
+
+    def _rng_devices(self) -> list:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def _rng_state(self):
+        """RNG state at a chunk's start, so stage 2 redraws stage 1's dropout masks."""
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    def _set_rng_state(self, state) -> None:
+        cpu, cuda = state
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, self.device)
+
+
+class _AddPageGrad(torch.autograd.Function):
+    """Identity on x (B, Hkv, C, D); backward adds the chunk's gradient pages to dx.
+
+    Read at backward time, when every later chunk has finished adding into them.
+    """
+
+    @staticmethod
+    def forward(ctx, x, grad_pages, slots):
+        ctx.grad_pages, ctx.slots = grad_pages, slots
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dx):
+        acc = from_pages(ctx.grad_pages[ctx.slots.long()])  # (B, Hkv, C, D) fp32
+        return (dx.float() + acc).to(dx.dtype), None, None

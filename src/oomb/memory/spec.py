@@ -1,0 +1,52 @@
+"""The frozen shape of one page: what a page holds and how many bytes it takes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """P tokens of one layer's keys and values, and their gradient accumulators.
+
+    K and V of a page are each `[n_kv_heads, page_size, head_dim]` in `dtype` (the model's);
+    dK and dV are the same shape in `grad_dtype` (fp32 by default: they sum the contributions
+    of every later chunk, so they are accumulators, not activations).
+    """
+
+    page_size: int
+    n_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(
+                f"page_size={self.page_size} must be a power of two (kernel tiles split pages evenly); "
+                "use 64, 128 or 256"
+            )
+
+    @property
+    def elements(self) -> int:
+        """Elements of one of K, V, dK, dV in a page."""
+        return self.n_kv_heads * self.page_size * self.head_dim
+
+    @property
+    def kv_bytes(self) -> int:
+        """K and V of one page."""
+        return 2 * self.elements * _itemsize(self.dtype)
+
+    @property
+    def grad_bytes(self) -> int:
+        """dK and dV accumulators of one page."""
+        return 2 * self.elements * _itemsize(self.grad_dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        return self.kv_bytes + self.grad_bytes
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()

@@ -1,0 +1,32 @@
+"""Model adapters: one file per transformers family."""
+from __future__ import annotations
+
+from torch import nn
+
+from .base import DecoderAdapter
+from .llama import LlamaAdapter
+from .qwen2 import Qwen2Adapter
+from .qwen3 import Qwen3Adapter
+
+ADAPTERS: dict[str, type[DecoderAdapter]] = {
+    name: cls for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter) for name in cls.model_classes
+}
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper (its LoRA layers stay in place)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def adapter_for(model: nn.Module) -> DecoderAdapter:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a transformers causal LM (torch.nn.Module), got {type(model).__name__}")
+    causal_lm = unwrap_peft(model)
+    name = type(causal_lm).__name__
+    if name not in ADAPTERS:
+        raise TypeError(
+            f"{name} is not supported by oomb; supported model classes: {', '.join(sorted(ADAPTERS))} "
+            "(also when wrapped by PEFT). Load the model with AutoModelForCausalLM."
+        )
+    return ADAPTERS[name](causal_lm)

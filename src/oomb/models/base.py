@@ -1,0 +1,98 @@
+"""What oomb needs of a decoder family, and the shared Llama-style implementation.
+
+The engine never calls a decoder layer's forward: it needs the layer split at attention
+(q/k/v out, o in) so that attention can read pages. An adapter exposes exactly that, by
+calling the model's own submodules (so PEFT LoRA layers, biases and norms just work) and
+transformers' own RoPE functions. One adapter per family, no monkey-patching.
+"""
+from __future__ import annotations
+
+from typing import Callable, ClassVar
+
+import torch
+from torch import nn
+
+
+class DecoderAdapter:
+    """Llama-style pre-norm decoder: x + attn(norm(x)); x + mlp(norm(x)).
+
+    Subclasses name the transformers classes they serve and the family's RoPE function.
+    """
+
+    #: transformers CausalLM class names this adapter serves
+    model_classes: ClassVar[tuple[str, ...]] = ()
+    #: transformers' apply_rotary_pos_emb of the family: (q, k, cos, sin) -> (q, k)
+    apply_rope: ClassVar[Callable]
+
+    def __init__(self, causal_lm: nn.Module) -> None:
+        self.causal_lm = causal_lm
+        body = causal_lm.model
+        self.embed_tokens = body.embed_tokens
+        self.layers = body.layers
+        self.norm = body.norm
+        self.rotary_emb = body.rotary_emb
+        self.lm_head = causal_lm.lm_head
+        cfg = causal_lm.config
+        self.config = cfg
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.scale = self.layers[0].self_attn.scaling
+        self.vocab_size = cfg.vocab_size
+        self.check_config(cfg)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def check_config(self, cfg) -> None:
+        """Reject configs whose attention oomb does not compute (raise ValueError)."""
+        layer_types = getattr(cfg, "layer_types", None) or []
+        other = sorted({t for t in layer_types if t != "full_attention"})
+        if other:
+            raise ValueError(
+                f"{type(self.causal_lm).__name__} has layers of type {other}; this adapter computes "
+                "full causal attention only. Disable sliding windows in the config "
+                "(e.g. use_sliding_window=False) or use a model with full attention."
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"num_attention_heads={self.n_heads} is not a multiple of num_key_value_heads={self.n_kv_heads}")
+
+    def check_trainable(self) -> None:
+        """Stage 2 recomputes stage 1 exactly, but oomb's attention has no dropout."""
+        p = getattr(self.config, "attention_dropout", 0.0) or 0.0
+        if p and self.causal_lm.training:
+            raise ValueError(
+                f"config.attention_dropout={p}: oomb's paged attention has no dropout. "
+                "Set model.config.attention_dropout = 0.0 (the usual value for LLM training)."
+            )
+
+    # -- the pieces the engine composes ----------------------------------------------------
+
+    def rope(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions start .. start + C - 1 of the chunk h: (B, C, hidden)."""
+        positions = torch.arange(start, start + h.shape[1], device=h.device)[None]  # (1, C)
+        return self.rotary_emb(h, positions)
+
+    def project_qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """h: (B, C, hidden) -> q (B, H, C, D), k, v (B, Hkv, C, D); q and k after RoPE."""
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        shape = (*h.shape[:2], -1, self.head_dim)  # (B, C, heads, D)
+        q = self.norm_q(attn, attn.q_proj(x).view(shape)).transpose(1, 2)
+        k = self.norm_k(attn, attn.k_proj(x).view(shape)).transpose(1, 2)
+        v = attn.v_proj(x).view(shape).transpose(1, 2)
+        q, k = type(self).apply_rope(q, k, cos, sin)
+        return q, k, v
+
+    def norm_q(self, attn: nn.Module, q: torch.Tensor) -> torch.Tensor:
+        return q
+
+    def norm_k(self, attn: nn.Module, k: torch.Tensor) -> torch.Tensor:
+        return k
+
+    def finish_layer(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Residual stream after attention output o (B, H, C, D) and the MLP: (B, C, hidden)."""
+        b, _, c, _ = o.shape
+        h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, c, -1))
+        return h + layer.mlp(layer.post_attention_layernorm(h))

@@ -1,0 +1,97 @@
+"""Memory math of a chunk-recurrent step, before any of it is allocated.
+
+`plan()` is what `oomb plan` prints and what the benchmarks compare with what they measure.
+All figures are bytes; the activation figure is an estimate (saved tensors of one chunk's
+recompute), the rest are exact sizes of buffers oomb allocates.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .loss import SLICE_LOGIT_BYTES
+from .memory.spec import PageSpec
+
+
+@dataclass
+class MemoryPlan:
+    seq_len: int
+    batch: int
+    weights: int
+    grads: int
+    optimizer: int
+    kv_pages: int  # K/V of every stored page (all chunks but the last), all layers
+    grad_pages: int  # their dK/dV accumulators
+    chunk_activations: int  # estimate: one chunk's recompute under autograd
+    logits_slice: int  # one slice of fp32 logits and its gradient
+
+    @property
+    def pages(self) -> int:
+        return self.kv_pages + self.grad_pages
+
+    @property
+    def total(self) -> int:
+        return (self.weights + self.grads + self.optimizer + self.pages + self.chunk_activations
+                + self.logits_slice)
+
+    def bytes_per_token(self) -> float:
+        """Page bytes per token of context (the slope of memory against context length)."""
+        return self.pages / max(1, self.batch * self.seq_len)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "pages": self.pages, "total": self.total}
+
+    def table(self) -> str:
+        rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
+                ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
+                ("one chunk's activations (est.)", self.chunk_activations),
+                ("logits slice + grad", self.logits_slice), ("total", self.total)]
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
+
+
+def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
+         dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
+         trainable_params: int | None = None, optimizer_bytes_per_param: int = 8) -> MemoryPlan:
+    """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
+
+    trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
+    (8 B) per trainable parameter.
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    n_layers, vocab = config.num_hidden_layers, config.vocab_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    item = torch.empty((), dtype=dtype).element_size()
+    n_params = _count_params(config, head_dim)
+    trainable = n_params if trainable_params is None else trainable_params
+    spec = PageSpec(page_size, kv_heads, head_dim, dtype, kv_grad_dtype)
+    n_chunks = -(-seq_len // chunk_size)
+    stored_pages = (n_chunks - 1) * (chunk_size // page_size)  # the last chunk is never stored
+    tokens = batch * min(chunk_size, seq_len)
+    # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,
+    # MLP gate/up/act inputs (bf16), plus the fp32 RMSNorm intermediates.
+    per_token_layer = item * (6 * hidden + 4 * inter + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
+    return MemoryPlan(
+        seq_len=seq_len, batch=batch,
+        weights=n_params * item,
+        grads=trainable * item,
+        optimizer=trainable * optimizer_bytes_per_param,
+        kv_pages=n_layers * batch * stored_pages * spec.kv_bytes,
+        grad_pages=n_layers * batch * stored_pages * spec.grad_bytes,
+        chunk_activations=tokens * n_layers * per_token_layer,
+        logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
+    )
+
+
+def _count_params(config, head_dim: int) -> int:
+    hidden, inter = config.hidden_size, config.intermediate_size
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if getattr(config, "model_type", "") == "qwen2":
+        attn += head_dim * (heads + 2 * kv_heads)  # q/k/v biases
+    layer = attn + 3 * hidden * inter + 2 * hidden
+    embed = config.vocab_size * hidden
+    head = 0 if config.tie_word_embeddings else embed
+    return config.num_hidden_layers * layer + embed + head + hidden

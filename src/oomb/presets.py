@@ -1,0 +1,41 @@
+"""Named model shapes built from configs with random weights (no download needed).
+
+`tiny` is the embedded default of `oomb train`; the others are the shapes the benchmarks
+measure. A local directory or hub id goes through transformers' `from_pretrained` instead.
+"""
+from __future__ import annotations
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
+
+PRESETS = {
+    # byte-level vocabulary, 4 layers: trains on CPU in seconds a step
+    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256, rope_theta=10000.0),
+    "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                         num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True),
+    "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
+                       num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False),
+}
+
+
+def preset_config(name: str, **overrides) -> PretrainedConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or a local model directory)")
+    kwargs = {"max_position_embeddings": 4_194_304, "tie_word_embeddings": False, **PRESETS[name], **overrides}
+    return Qwen2Config(**kwargs)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               **overrides):
+    """A preset with random weights, or a transformers checkpoint (local directory)."""
+    if name_or_path in PRESETS:
+        cfg = preset_config(name_or_path, **overrides)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    else:
+        cfg = AutoConfig.from_pretrained(name_or_path, **overrides)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, config=cfg, dtype=dtype).to(device)
+    model.config.use_cache = False
+    return model

@@ -1,0 +1,1 @@
+"""The trainer on top of the engine: data, optimizer, LoRA, checkpoints, progress."""

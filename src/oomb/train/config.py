@@ -1,0 +1,47 @@
+"""Trainer settings: one plain dataclass, defaults that run the embedded demo on a CPU."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"  # a preset name (oomb.presets) or a local transformers checkpoint
+    data: str = "copy"  # 'copy' (built-in long-context task) or a .bin file of uint16 token ids
+    seq_len: int = 4096
+    batch: int = 1
+    steps: int = 40
+    lr: float = 3e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 4
+    grad_clip: float = 1.0
+    chunk_size: int = 1024
+    page_size: int = 128
+    backend: str = "auto"  # auto | torch | triton
+    dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
+    lora_alpha: float = 16.0
+    output_dir: str = ""  # where checkpoints go; empty: none are written
+    save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
+    resume: str = ""  # a checkpoint directory written by this trainer
+    log_every: int = 1
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("steps", self.steps, 1),
+                  ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
+                  ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0),
+                  ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0)]
+        for name, value, low in checks:
+            if value < low:
+                raise ValueError(f"{name}={value} must be >= {low}")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
+
+
+def fields() -> list[dataclasses.Field]:
+    return list(dataclasses.fields(TrainConfig))

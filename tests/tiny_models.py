@@ -1,0 +1,51 @@
+"""Tiny random transformers models of every supported family, for exactness tests."""
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
+
+VOCAB = 97
+
+
+def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2):
+    torch.manual_seed(seed)
+    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=4096,
+                  attention_dropout=0.0)
+    if family == "qwen2":  # q/k/v biases, GQA 4:2... here 4 query heads per KV head
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
+                          tie_word_embeddings=False, **common)
+        cls = Qwen2ForCausalLM
+    elif family == "llama":  # tied embeddings, llama3 RoPE scaling
+        cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                          tie_word_embeddings=True,
+                          rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                           "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                           "rope_theta": 10000.0}, **common)
+        cls = LlamaForCausalLM
+    elif family == "qwen3":  # q/k norms, explicit head_dim != hidden / heads, GQA 7:1... 3 heads per KV head
+        cfg = Qwen3Config(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
+                          head_dim=16, tie_word_embeddings=False, **common)
+        cls = Qwen3ForCausalLM
+    else:
+        raise ValueError(family)
+    cfg._attn_implementation = "eager"
+    model = cls(cfg).to(dtype)
+    # Random norm weights and biases, so a missed norm or bias changes the result.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def full_sequence_grads(model, input_ids, labels):
+    """transformers' own full-sequence training: (loss, {name: grad})."""
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=input_ids, labels=labels).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
