@@ -15,7 +15,7 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         parser.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
 
 
-def _parse_tokens(text: str) -> int:
+def parse_tokens(text: str) -> int:
     """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096."""
     text = text.strip().upper()
     scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p_plan = sub.add_parser("plan", help="memory a training step needs, before allocating any")
     p_plan.add_argument("--model", default="qwen2.5-7b", help="preset name or local checkpoint")
-    p_plan.add_argument("--seq-len", type=_parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
+    p_plan.add_argument("--seq-len", type=parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
     p_plan.add_argument("--batch", type=int, default=1)
     p_plan.add_argument("--chunk-size", type=int, default=4096)
     p_plan.add_argument("--page-size", type=int, default=128)
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     p_eval = sub.add_parser("eval", help="loss of a model on data, no gradients")
     p_eval.add_argument("--model", default="tiny")
     p_eval.add_argument("--data", default="copy")
-    p_eval.add_argument("--seq-len", type=_parse_tokens, default=4096)
+    p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
     p_eval.add_argument("--batches", type=int, default=4)
     p_eval.add_argument("--chunk-size", type=int, default=1024)
     p_eval.add_argument("--page-size", type=int, default=128)

@@ -1,0 +1,35 @@
+"""What every benchmark shares: run metadata and the results files docs/benchmarks.md is made from."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+
+import torch
+
+
+def run_info() -> dict:
+    """GPU, versions, commit and date, stored with every result row."""
+    import transformers
+    import triton
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    # The GPU machine gets a copy of the working tree without .git: the caller passes OOMB_COMMIT.
+    commit = os.environ.get("OOMB_COMMIT", "")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                    cwd=here).stdout.strip() or "unknown"
+        except OSError:
+            commit = "unknown"
+    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
+            "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def append_results(path: str, rows: list[dict]) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
