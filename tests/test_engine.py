@@ -139,3 +139,12 @@ def test_evaluate_equals_full_sequence_loss(family):
     result = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16).evaluate(ids, labels)
     assert rel_err(result.loss, ref) <= TOL
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("group_pages", [1, 3])
+def test_page_groups_merge_exactly(group_pages):
+    """Pages attended a group at a time (the unit offload moves) merge by their LSEs."""
+    model = make_model("qwen3")
+    ids = random_batch(2, 203)
+    check_against_full_sequence(model, ids, ids, chunk_size=64, page_size=16, backend="torch",
+                                group_pages=group_pages)

@@ -26,7 +26,6 @@ def test_unsupported_model_names_supported_ones():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"offload": "disk"}, r"offload='disk' is not one of"),
-    ({"offload": "all"}, r"offload='all' is not implemented yet"),
     ({"sparse": "topk"}, r"sparse='topk' is not implemented yet"),
     ({"backend": "cuda"}, r"backend='cuda' is not one of"),
     ({"kv_grad_dtype": torch.float16}, r"kv_grad_dtype=torch.float16 must be"),

@@ -57,8 +57,8 @@ def test_store_roundtrip_and_grad_pages():
     k = torch.randn(2, 2, 8, 3)
     v = torch.randn(2, 2, 8, 3)
     store.write(1, 2, k, v)
-    pages = store.layer_pages(1, 4, with_grad=True)
     from oomb.attention.reference import gather_pages
+    (pages,) = store.page_groups(1, 4)(True)
     kp, vp = gather_pages(pages)
     assert torch.equal(kp[:, :, 8:], k) and torch.equal(vp[:, :, 8:], v)
     dk, dv = store.chunk_grads(1, 2, 2)

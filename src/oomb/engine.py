@@ -15,6 +15,7 @@ needs no stage 1: nothing after it reads its pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -22,11 +23,14 @@ from torch import nn
 from .attention import paged_attention, resolve_backend
 from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
 from .memory.spec import PageSpec
-from .memory.store import PagedKVStore, from_pages
+from .memory.offload import available_host_bytes
+from .memory.store import PagedKVStore
 from .models import adapter_for
+from .plan import plan
 
 OFFLOAD_MODES = ("none", "all", "auto")
-IMPLEMENTED_OFFLOAD = ("none",)
+#: device memory kept free beside the pages under offload 'auto' (allocator slack, kernels)
+AUTO_MARGIN_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -44,8 +48,9 @@ class ChunkRecurrentEngine:
 
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
                  backend: str = "auto", offload: str = "none", sparse=None,
-                 kv_grad_dtype: torch.dtype = torch.float32) -> None:
-        for name, value in (("chunk_size", chunk_size), ("page_size", page_size)):
+                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 512,
+                 gpu_page_budget_bytes: int | None = None) -> None:
+        for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
         if chunk_size % page_size:
@@ -55,8 +60,6 @@ class ChunkRecurrentEngine:
             )
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload={offload!r} is not one of {OFFLOAD_MODES}")
-        if offload not in IMPLEMENTED_OFFLOAD:
-            raise ValueError(f"offload={offload!r} is not implemented yet in this version; use offload='none'")
         if sparse is not None:
             raise ValueError(f"sparse={sparse!r} is not implemented yet in this version; use sparse=None (dense)")
         if kv_grad_dtype not in (torch.float32, torch.bfloat16):
@@ -66,12 +69,13 @@ class ChunkRecurrentEngine:
         self.chunk_size = chunk_size
         self.page_size = page_size
         self.offload = offload
+        self.gpu_page_budget_bytes = gpu_page_budget_bytes
         self.sparse = sparse
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
         self.spec = PageSpec(page_size, self.adapter.n_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
-        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device)
+        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -89,7 +93,7 @@ class ChunkRecurrentEngine:
         denominator = count if num_tokens is None else num_tokens
         self.adapter.check_trainable()
         pages_per_chunk = self.chunk_size // self.page_size
-        self.store.begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
+        self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         rng_states = []
         try:
             with torch.no_grad():
@@ -118,7 +122,7 @@ class ChunkRecurrentEngine:
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
         batch = input_ids.shape[0]
         pages_per_chunk = self.chunk_size // self.page_size
-        self.store.begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
+        self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         try:
             for c, (start, end) in enumerate(bounds):
@@ -147,7 +151,7 @@ class ChunkRecurrentEngine:
                 self.store.write(i, first_page, k, v)
             if i == a.n_layers - 1 and not full:
                 break  # later chunks read only this layer's K/V; its output feeds nothing
-            o = paged_attention(q, k, v, self.store.layer_pages(i, first_page, with_grad=False), a.scale, self.backend)
+            o = paged_attention(q, k, v, self.store.page_groups(i, first_page), a.scale, self.backend)
             h = a.finish_layer(layer, h, o)
         return h
 
@@ -163,16 +167,68 @@ class ChunkRecurrentEngine:
                 q, k, v = a.project_qkv(layer, h, cos, sin)
                 if not last:
                     # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
-                    slots = self.store.table[i, :, first_page : first_page + pages_per_chunk]
-                    k = _AddPageGrad.apply(k, self.store.dk, slots)
-                    v = _AddPageGrad.apply(v, self.store.dv, slots)
-                pages = self.store.layer_pages(i, first_page, with_grad=True)
-                o = paged_attention(q, k, v, pages, a.scale, self.backend)
+                    k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
+                o = paged_attention(q, k, v, self.store.page_groups(i, first_page), a.scale, self.backend)
                 h = a.finish_layer(layer, h, o)
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)
         return ce_sum
+
+    # -- memory: placement and accounting, before anything of the step is computed ---------
+
+    def _begin_step(self, batch: int, max_pages: int) -> None:
+        layer_bytes = batch * max_pages * self.spec.page_bytes  # one layer's pages for the step
+        n_layers = self.adapter.n_layers
+        if self.offload == "none":
+            n_device = n_layers
+        elif self.offload == "all":
+            n_device = 0
+        else:
+            budget = self._page_budget()
+            n_device = n_layers if layer_bytes == 0 else min(n_layers, budget // layer_bytes)
+        self.store.place(list(range(n_device, n_layers)))
+        self._check_memory(batch, max_pages, n_device, layer_bytes)
+        self.store.begin_step(batch, max_pages)
+
+    def _page_budget(self) -> int:
+        """Device bytes pages may take under offload 'auto'."""
+        if self.gpu_page_budget_bytes is not None:
+            return self.gpu_page_budget_bytes
+        if self.device.type != "cuda":
+            return 2**62  # a CPU model: host and "device" are the same memory
+        free, _ = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
+        working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size,
+                           page_size=self.page_size, dtype=self.spec.dtype).chunk_activations
+        staging = 2 * self.store.group_pages * self.spec.page_bytes
+        return max(0, free + cached + reusable - working_set - staging - AUTO_MARGIN_BYTES)
+
+    def _check_memory(self, batch: int, max_pages: int, n_device: int, layer_bytes: int) -> None:
+        n_host = self.adapter.n_layers - n_device
+        host_need = n_host * layer_bytes - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
+        if n_host and self.device.type == "cuda" and host_need > 0:
+            available = available_host_bytes()
+            if host_need > available:
+                per_token = layer_bytes * n_host / max(1, batch * max_pages * self.page_size)
+                fits = int(available / per_token) if per_token else 0
+                raise ValueError(
+                    f"this step needs {host_need / 2**30:.1f} GiB of host memory for the pages of {n_host} layers "
+                    f"({per_token / 1024:.0f} KiB per token), but only {available / 2**30:.1f} GiB is available. "
+                    f"About {fits:,} tokens would fit; use a shorter context, kv_grad_dtype=torch.bfloat16 "
+                    "(halves the gradient pages), offload='auto' (keeps part on the GPU) or sparse attention."
+                )
+        if self.device.type == "cuda" and self.offload != "auto":
+            need = self.store.device_bytes(batch, max_pages, n_device) - self.store.pool.n_slots * self.spec.page_bytes
+            free, _ = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            if need > free:
+                raise ValueError(
+                    f"the pages of this step need {need / 2**30:.1f} GiB more GPU memory, {free / 2**30:.1f} GiB "
+                    f"is free; use offload='auto' or offload='all' (pages on the host), a shorter context or "
+                    "kv_grad_dtype=torch.bfloat16"
+                )
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -222,18 +278,18 @@ class ChunkRecurrentEngine:
             torch.cuda.set_rng_state(cuda, self.device)
 
 
-class _AddPageGrad(torch.autograd.Function):
-    """Identity on x (B, Hkv, C, D); backward adds the chunk's gradient pages to dx.
+class _AddPageGrads(torch.autograd.Function):
+    """Identity on k, v (B, Hkv, C, D); backward adds the chunk's gradient pages to dk, dv.
 
-    Read at backward time, when every later chunk has finished adding into them.
+    `fetch()` reads them at backward time, when every later chunk has finished adding into them.
     """
 
     @staticmethod
-    def forward(ctx, x, grad_pages, slots):
-        ctx.grad_pages, ctx.slots = grad_pages, slots
-        return x.view_as(x)
+    def forward(ctx, k, v, fetch):
+        ctx.fetch = fetch
+        return k.view_as(k), v.view_as(v)
 
     @staticmethod
-    def backward(ctx, dx):
-        acc = from_pages(ctx.grad_pages[ctx.slots.long()])  # (B, Hkv, C, D) fp32
-        return (dx.float() + acc).to(dx.dtype), None, None
+    def backward(ctx, dk, dv):
+        acc_k, acc_v = ctx.fetch()  # (B, Hkv, C, D) grad dtype
+        return (dk.float() + acc_k).to(dk.dtype), (dv.float() + acc_v).to(dv.dtype), None

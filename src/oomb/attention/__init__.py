@@ -1,17 +1,21 @@
 """Paged attention: a chunk's queries over earlier pages plus its own keys (causal).
 
-Two backends with one signature, `(q, k, v, pages, scale) -> o`:
+Two backends with one pair of functions, `forward(q, k, v, pages, scale, include_self)` and
+`backward(do, q, k, v, o, lse, pages, scale, include_self)`:
   - "torch":  reference.py, plain PyTorch (CPU and CUDA; the oracle in tests);
   - "triton": paged.py, kernels that read pages in place and accumulate dK/dV into them.
+function.py runs either over the groups of a layer's pages, with autograd.
 """
 from __future__ import annotations
 
+import importlib
+
 import torch
 
-from ..memory.store import LayerPages
-from .reference import paged_attention_torch
+from .function import PagedAttention, PageGroups, attention_forward
 
 BACKENDS = ("torch", "triton", "auto")
+_MODULES = {"torch": "oomb.attention.reference", "triton": "oomb.attention.paged"}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -22,11 +26,13 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages,
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups,
                     scale: float, backend: str) -> torch.Tensor:
-    """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D)."""
-    if backend == "triton":
-        from .paged import paged_attention_triton
+    """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D).
 
-        return paged_attention_triton(q, k, v, pages, scale)
-    return paged_attention_torch(q, k, v, pages, scale)
+    With autograd on, backward adds the earlier pages' dK/dV into their gradient pages.
+    """
+    ops = importlib.import_module(_MODULES[backend])
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return PagedAttention.apply(q, k, v, groups, scale, ops)
+    return attention_forward(ops, q, k, v, groups, scale)[0].to(q.dtype)

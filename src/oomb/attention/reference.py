@@ -38,6 +38,69 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prev: int, scale
     return o.reshape(b, h, c, d).to(q.dtype), lse.reshape(b, h, c)
 
 
+def _keys(k, v, pages: LayerPages, include_self: bool):
+    """Keys/values a group attends to: its pages, then (causally) the chunk's own."""
+    kp, vp = gather_pages(pages)  # (B, Hkv, n*P, D)
+    if include_self:
+        return torch.cat([kp, k], dim=2), torch.cat([vp, v], dim=2), kp.shape[2]
+    return kp, vp, None
+
+
+def _scores(q, keys, n_prev, scale):
+    """fp32 scores (B, Hkv, G*C, N) with the causal mask applied to the chunk's own keys."""
+    b, h, c, d = q.shape
+    n_kv, n = keys.shape[1], keys.shape[2]
+    qg = q.float().reshape(b, n_kv, (h // n_kv) * c, d)  # (B, Hkv, G*C, D)
+    s = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale
+    if n_prev is not None:
+        qpos = torch.arange(c, device=q.device).repeat(h // n_kv) + n_prev  # (G*C,)
+        s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+    return s
+
+
+def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):
+    """One group's part of paged attention: (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log).
+
+    The group is `pages` (all attended by every query) plus, with include_self, the chunk's own
+    keys k, v (B, Hkv, C, D) under the causal mask. Groups combine by their LSEs.
+    """
+    b, h, c, d = q.shape
+    keys, values, n_prev = _keys(k, v, pages, include_self)
+    s = _scores(q, keys, n_prev, scale)  # (B, Hkv, G*C, N)
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    o = torch.matmul(torch.exp(s - lse), values.float())
+    return o.reshape(b, h, c, d), lse.reshape(b, h, c)
+
+
+def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True):
+    """One group's part of the attention gradient, given the final o and lse of all groups.
+
+        p  = exp(s - lse)                     (s = scale * q k^T, masked)
+        dv = p^T do        dp = do v^T        ds = p * (dp - delta),  delta = rowsum(o * do)
+        dq = scale * ds k  dk = scale * ds^T q
+    Returns (dq fp32 (B, H, C, D), dk, dv of the chunk's own keys in k's dtype or None without
+    include_self); the pages' dK/dV are added into pages.dk / pages.dv.
+    """
+    b, h, c, d = q.shape
+    n_kv = k.shape[1]
+    keys, values, n_prev = _keys(k, v, pages, include_self)
+    s = _scores(q, keys, n_prev, scale)  # (B, Hkv, G*C, N)
+    p = torch.exp(s - lse.reshape(b, n_kv, -1, 1))
+    dog = do.float().reshape(b, n_kv, -1, d)  # (B, Hkv, G*C, D)
+    delta = (o.float().reshape(b, n_kv, -1, d) * dog).sum(-1, keepdim=True)
+    dv_all = torch.matmul(p.transpose(-1, -2), dog)  # (B, Hkv, N, D)
+    ds = p * (torch.matmul(dog, values.float().transpose(-1, -2)) - delta)
+    dq = torch.matmul(ds, keys.float()).reshape(b, h, c, d) * scale
+    dk_all = torch.matmul(ds.transpose(-1, -2), q.float().reshape(b, n_kv, -1, d)) * scale
+    n_paged = pages.n_pages * pages.k.shape[2]
+    if pages.dk is not None and pages.n_pages > 0:
+        _accumulate(pages.dk, pages.table.long(), dk_all[:, :, :n_paged])
+        _accumulate(pages.dv, pages.table.long(), dv_all[:, :, :n_paged])
+    if not include_self:
+        return dq, None, None
+    return dq, dk_all[:, :, n_paged:].to(k.dtype), dv_all[:, :, n_paged:].to(v.dtype)
+
+
 def reference_forward(q, k, v, pages: LayerPages, scale: float):
     """(o, lse) of paged attention without autograd: what a kernel's forward must return."""
     kp, vp = gather_pages(pages)

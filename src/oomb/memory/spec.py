@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -50,3 +51,17 @@ class PageSpec:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class LayerPages(NamedTuple):
+    """What attention needs of one layer's earlier pages (all views, no copies)."""
+
+    k: torch.Tensor  # (n_slots, Hkv, P, D)
+    v: torch.Tensor  # (n_slots, Hkv, P, D)
+    dk: torch.Tensor | None  # (n_slots, Hkv, P, D) fp32, or None when no gradient is wanted
+    dv: torch.Tensor | None
+    table: torch.Tensor  # (B, n_pages) int32: slots of the earlier pages, in position order
+
+    @property
+    def n_pages(self) -> int:
+        return self.table.shape[1]

@@ -1,9 +1,11 @@
-"""The tensors behind the pages: one buffer of page slots on the model's device.
+"""The tensors behind the pages: a pool of page slots on the model's device, and host pages.
 
-Layout (one slot = one page of one layer of one sequence):
+Device pool (one slot = one page of one layer of one sequence):
     k, v    (n_slots, n_kv_heads, page_size, head_dim)  model dtype
     dk, dv  (n_slots, n_kv_heads, page_size, head_dim)  grad dtype (fp32), zeroed when allocated
-    table   (n_layers, batch, max_pages) int32 on the device: logical page -> slot
+    table   (n_device_layers, batch, max_pages) int32 on the device: logical page -> slot
+Layers placed on the host keep their pages in offload.HostPages instead; which layers go
+where is decided per step from the offload mode and the device budget (`place()`).
 
 Pages are allocated a chunk at a time for all layers at once, so the table is committed to
 the device once per chunk (one small copy), and every per-layer operation is one indexed
@@ -11,33 +13,19 @@ tensor op over all the chunk's pages: no Python loop over pages.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
+from .offload import HostPages
 from .pool import PagePool
-from .spec import PageSpec
-
-
-class LayerPages(NamedTuple):
-    """What attention needs of one layer's earlier pages (all views, no copies)."""
-
-    k: torch.Tensor  # (n_slots, Hkv, P, D)
-    v: torch.Tensor  # (n_slots, Hkv, P, D)
-    dk: torch.Tensor | None  # (n_slots, Hkv, P, D) fp32, or None when no gradient is wanted
-    dv: torch.Tensor | None
-    table: torch.Tensor  # (B, n_pages) int32: slots of the earlier pages, in position order
-
-    @property
-    def n_pages(self) -> int:
-        return self.table.shape[1]
+from .spec import LayerPages, PageSpec
 
 
 class PagedKVStore:
-    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device) -> None:
+    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 512) -> None:
         self.spec = spec
         self.n_layers = n_layers
         self.device = torch.device(device)
+        self.group_pages = group_pages  # pages attended per kernel call (and moved per transfer)
         self.pool = PagePool(0, spec.page_bytes)
         shape = (0, spec.n_kv_heads, spec.page_size, spec.head_dim)
         self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
@@ -45,14 +33,24 @@ class PagedKVStore:
         self.dk = torch.empty(shape, dtype=spec.grad_dtype, device=self.device)
         self.dv = torch.empty_like(self.dk)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
+        self.host = HostPages(spec, [], self.device, group_pages)
+        self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._chunk_slots: dict[int, list[int]] = {}
 
-    # -- capacity -------------------------------------------------------------------------
+    # -- placement and capacity -------------------------------------------------------------
+
+    def place(self, host_layers: list[int]) -> None:
+        """Keep the pages of `host_layers` on the host, the others in the device pool."""
+        host_layers = sorted(host_layers)
+        if host_layers != self.host.layers:
+            self.host = HostPages(self.spec, host_layers, self.device, self.group_pages)
+        device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
+        self._row = {layer: i for i, layer in enumerate(device_layers)}
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         """Make room for `max_pages` pages per layer and sequence; the store must be empty."""
         assert not self._chunk_slots, "begin_step() with pages still held from the last step"
-        need = self.n_layers * batch * max_pages
+        need = len(self._row) * batch * max_pages
         if need > self.pool.n_slots:
             # Grow once to the step's need; the buffers are empty, so nothing is copied.
             shape = (need, self.spec.n_kv_heads, self.spec.page_size, self.spec.head_dim)
@@ -62,21 +60,22 @@ class PagedKVStore:
             self.dk = torch.empty(shape, dtype=self.spec.grad_dtype, device=self.device)
             self.dv = torch.empty_like(self.dk)
             self.pool.grow(need)
-        if self.table.shape[1:] != (batch, max_pages):
-            self.table = torch.full((self.n_layers, batch, max_pages), -1, dtype=torch.int32, device=self.device)
+        if self.table.shape != (len(self._row), batch, max_pages):
+            self.table = torch.full((len(self._row), batch, max_pages), -1, dtype=torch.int32, device=self.device)
+        self.host.begin_step(batch, max_pages)
 
-    @property
-    def allocated_bytes(self) -> int:
-        return self.pool.n_slots * self.spec.page_bytes
+    def device_bytes(self, batch: int, max_pages: int, n_device_layers: int) -> int:
+        """Device bytes of the pool for a step, plus the host layers' staging buffers."""
+        return n_device_layers * batch * max_pages * self.spec.page_bytes + self.host.staging_bytes(batch)
 
     # -- per chunk ------------------------------------------------------------------------
 
     def alloc_chunk(self, chunk: int, first_page: int, n_pages: int) -> None:
-        """Allocate pages [first_page, first_page + n_pages) of every layer and sequence."""
-        batch = self.table.shape[1]
-        ids = self.pool.alloc(self.n_layers * batch * n_pages)
+        """Allocate pages [first_page, first_page + n_pages) of every device layer and sequence."""
+        rows, batch = self.table.shape[:2]
+        ids = self.pool.alloc(rows * batch * n_pages)
         self._chunk_slots[chunk] = ids
-        slots = torch.tensor(ids, dtype=torch.int32).view(self.n_layers, batch, n_pages)
+        slots = torch.tensor(ids, dtype=torch.int32).view(rows, batch, n_pages)
         self.table[:, :, first_page : first_page + n_pages].copy_(slots, non_blocking=True)
 
     def free_chunk(self, chunk: int) -> None:
@@ -90,30 +89,38 @@ class PagedKVStore:
     # -- per layer ------------------------------------------------------------------------
 
     def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store a chunk's post-RoPE keys and values and zero their gradient pages.
+        """Store a chunk's post-RoPE keys and values (and zero their gradient pages).
 
         k, v: (B, Hkv, n_pages * P, D), the chunk's tokens starting at page `first_page`.
         """
-        batch, n_kv, length, dim = k.shape
-        n_pages = length // self.spec.page_size
-        assert n_pages * self.spec.page_size == length, "only whole pages are stored"
-        slots = self.table[layer, :, first_page : first_page + n_pages].long()  # (B, n)
-        # (B, Hkv, n*P, D) -> (B, n, Hkv, P, D): one page per (sequence, logical page)
+        assert k.shape[2] % self.spec.page_size == 0, "only whole pages are stored"
+        if layer not in self._row:
+            return self.host.write(layer, first_page, k, v)
+        n_pages = k.shape[2] // self.spec.page_size
+        slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
         self.k[slots] = to_pages(k, n_pages)
         self.v[slots] = to_pages(v, n_pages)
         self.dk[slots] = 0
         self.dv[slots] = 0
 
-    def layer_pages(self, layer: int, n_pages: int, with_grad: bool) -> LayerPages:
-        """The first `n_pages` pages of `layer` (the chunks before the current one)."""
-        return LayerPages(
-            self.k, self.v, self.dk if with_grad else None, self.dv if with_grad else None,
-            self.table[layer, :, :n_pages],
-        )
+    def page_groups(self, layer: int, n_pages: int):
+        """The first `n_pages` pages of `layer` (the chunks before the current one), as a
+        callable that yields them `group_pages` at a time (see attention/function.py)."""
+        if layer not in self._row:
+            return self.host.page_groups(layer, n_pages)
+        table = self.table[self._row[layer], :, :n_pages]  # (B, n_pages)
+
+        def groups(with_grad: bool):
+            dk, dv = (self.dk, self.dv) if with_grad else (None, None)
+            for start in range(0, max(n_pages, 1), self.group_pages):
+                yield LayerPages(self.k, self.v, dk, dv, table[:, start : start + self.group_pages])
+        return groups
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) fp32."""
-        slots = self.table[layer, :, first_page : first_page + n_pages].long()
+        """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
+        if layer not in self._row:
+            return self.host.chunk_grads(layer, first_page, n_pages)
+        slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()
         return from_pages(self.dk[slots]), from_pages(self.dv[slots])
 
 

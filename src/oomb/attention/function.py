@@ -1,0 +1,61 @@
+"""The autograd Function of paged attention, over groups of pages, for every backend.
+
+A layer's earlier pages are attended a group at a time (a fixed number of pages: the unit
+that offload moves between host and GPU). Each group gives a partial output and LSE; groups
+merge exactly by their LSEs (the split-K trick of flash-decoding):
+
+    lse = logaddexp(lse_a, lse_b)        o = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+
+Backward needs only the final o and lse: each group's probabilities are exp(s - lse), so every
+group computes its dQ share and its pages' dK/dV independently; dQ shares are summed in group
+order (deterministic). The chunk's own keys ride with the first group.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Callable, Iterator
+
+import torch
+
+from ..memory.store import LayerPages
+
+#: yields the groups of a layer's earlier pages on the compute device, at least one (which may
+#: hold no page); with_grad=True also brings their dK/dV and writes them back after each group
+PageGroups = Callable[[bool], Iterator[LayerPages]]
+
+
+def attention_forward(ops: ModuleType, q, k, v, groups: PageGroups, scale: float):
+    """Merged (o fp32 (B, H, C, D), lse fp32 (B, H, C)) over all groups."""
+    o = lse = None
+    for i, pages in enumerate(groups(False)):
+        o_g, lse_g = ops.forward(q, k, v, pages, scale, include_self=i == 0)
+        if o is None:
+            o, lse = o_g, lse_g
+            continue
+        new = torch.logaddexp(lse, lse_g)
+        o = o * torch.exp(lse - new)[..., None] + o_g * torch.exp(lse_g - new)[..., None]
+        lse = new
+    return o, lse
+
+
+class PagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, groups: PageGroups, scale: float, ops: ModuleType):
+        o, lse = attention_forward(ops, q, k, v, groups, scale)
+        o = o.to(q.dtype)
+        # Only o and the LSE are kept; the pages are read again (in place or staged) in backward.
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.groups, ctx.scale, ctx.ops = groups, scale, ops
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq = dk = dv = None
+        for i, pages in enumerate(ctx.groups(True)):
+            dq_g, dk_g, dv_g = ctx.ops.backward(do, q, k, v, o, lse, pages, ctx.scale, include_self=i == 0)
+            if i == 0:
+                dq, dk, dv = dq_g, dk_g, dv_g
+            else:
+                dq = dq + dq_g
+        return dq.to(q.dtype), dk, dv, None, None, None

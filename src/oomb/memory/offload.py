@@ -1,0 +1,182 @@
+"""Pages that live on the host, and their trips to the GPU (offload 'all' and 'auto').
+
+Host arena, one block per layer and buffer, allocated once (pinned on CUDA: pinning runs at
+~1.5 GB/s, so it is done once and reused across steps), page-major so that a chunk's pages
+and a group's pages are each one contiguous range:
+    k, v    (max_pages, B, Hkv, P, D)  model dtype
+    dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
+GPU staging, two buffers (double buffering) of `group_pages` pages:
+    k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
+
+Ordering is by CUDA events on one copy stream (FIFO), never by the host thread:
+  load group g+1 (copy stream)   while   attention on group g (compute stream)
+  copy stream waits `used[buf]` (compute done with the buffer) before it overwrites it;
+  compute waits `ready[buf]` (copy done) before it reads it;
+  dK/dV go back to the host right after a group's backward; K/V never go back (the host
+  copy written in stage 1 is never changed).
+The first backward sweep of a layer zero-fills the staged dK/dV instead of loading them.
+On a CPU model the same code runs with plain memory and synchronous copies.
+"""
+from __future__ import annotations
+
+import torch
+
+from .spec import LayerPages, PageSpec
+
+
+class HostPages:
+    def __init__(self, spec: PageSpec, layers: list[int], device: torch.device, group_pages: int) -> None:
+        self.spec = spec
+        self.layers = layers
+        self.device = torch.device(device)
+        self.group_pages = group_pages
+        self.cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv]
+        self.batch = self.max_pages = 0
+        self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
+        self.ready = [self._event(), self._event()]
+        self.used = [self._event(), self._event()]
+        self.grads_live: set[int] = set()  # layers whose host dK/dV have been written this step
+
+    # -- sizes ----------------------------------------------------------------------------
+
+    def host_bytes(self, batch: int, max_pages: int) -> int:
+        return len(self.layers) * batch * max_pages * self.spec.page_bytes
+
+    def staging_bytes(self, batch: int) -> int:
+        return 2 * self.group_pages * batch * self.spec.page_bytes if self.layers else 0
+
+    def begin_step(self, batch: int, max_pages: int) -> None:
+        self.grads_live.clear()
+        if not self.layers:
+            return
+        if batch != self.batch or max_pages > self.max_pages:
+            s = self.spec
+            shape = (max_pages, batch, s.n_kv_heads, s.page_size, s.head_dim)
+            self.arena = {}  # free the old arena before pinning the new one
+            pin = self.cuda
+            self.arena = {
+                layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)]
+                for layer in self.layers
+            }
+            slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
+            self.staging = [[torch.empty(slots, dtype=dt, device=self.device)
+                             for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)] for _ in range(2)]
+            # staged page j of sequence b sits in slot j*B + b
+            self.table = torch.arange(self.group_pages * batch, dtype=torch.int32,
+                                      device=self.device).view(self.group_pages, batch).t()  # (B, group_pages)
+            self.batch, self.max_pages = batch, max_pages
+
+    # -- stage 1: store a chunk -------------------------------------------------------------
+
+    def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, Hkv, n*P, D) on the device -> host pages [first_page, first_page + n)."""
+        host_k, host_v = self.arena[layer][:2]
+        n = k.shape[2] // self.spec.page_size
+        for x, dst in ((k, host_k), (v, host_v)):
+            b, h, t, d = x.shape
+            pages = x.reshape(b, h, n, t // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (n, B, Hkv, P, D)
+            with self._on_copy_stream(after_compute=True):
+                dst[first_page : first_page + n].copy_(pages, non_blocking=True)
+            if self.cuda:
+                pages.record_stream(self.copy_stream)  # keep it alive until the copy is done
+
+    # -- reading: groups of pages on the device --------------------------------------------
+
+    def page_groups(self, layer: int, n_pages: int):
+        spans = [(s, min(s + self.group_pages, n_pages)) for s in range(0, n_pages, self.group_pages)]
+
+        def groups(with_grad: bool):
+            if not spans:
+                k, v, dk, dv = self.staging[0]
+                yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, self.table[:, :0])
+                return
+            zero_grads = with_grad and layer not in self.grads_live
+            self._load(0, layer, spans[0], with_grad, zero_grads)
+            for g, (start, end) in enumerate(spans):
+                buf = g % 2
+                if g + 1 < len(spans):  # prefetch the next group while this one is computed on
+                    self._load(1 - buf, layer, spans[g + 1], with_grad, zero_grads)
+                if self.cuda:
+                    torch.cuda.current_stream(self.device).wait_event(self.ready[buf])
+                k, v, dk, dv = self.staging[buf]
+                yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, self.table[:, : end - start])
+                if self.cuda:
+                    self.used[buf].record(torch.cuda.current_stream(self.device))
+                if with_grad:
+                    self._store_grads(buf, layer, (start, end))
+            if with_grad:
+                self.grads_live.add(layer)
+        return groups
+
+    def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
+        out = []
+        for host in self.arena[layer][2:]:
+            with self._on_copy_stream(after_compute=False):
+                x = host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+                x.record_stream(torch.cuda.current_stream(self.device))
+            n, b, h, p, d = x.shape
+            out.append(x.permute(1, 2, 0, 3, 4).reshape(b, h, n * p, d))  # (B, Hkv, n*P, D)
+        return out[0], out[1]
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool, zero_grads: bool) -> None:
+        start, end = span
+        n = (end - start) * self.batch
+        host = self.arena[layer]
+        staged = self.staging[buf]
+        with self._on_copy_stream(after_compute=False):
+            if self.cuda:
+                self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
+            for i in range(4 if with_grad else 2):
+                dst = staged[i][:n]
+                if i >= 2 and zero_grads:
+                    dst.zero_()
+                else:
+                    dst.copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
+            if self.cuda:
+                self.ready[buf].record(self.copy_stream)
+
+    def _store_grads(self, buf: int, layer: int, span: tuple[int, int]) -> None:
+        start, end = span
+        n = (end - start) * self.batch
+        with self._on_copy_stream(after_compute=False):
+            if self.cuda:
+                self.copy_stream.wait_event(self.used[buf])
+            for i in (2, 3):
+                self.arena[layer][i][start:end].flatten(0, 1).copy_(self.staging[buf][i][:n], non_blocking=True)
+
+    def _on_copy_stream(self, after_compute: bool):
+        if not self.cuda:
+            return _NullContext()
+        if after_compute:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(self.copy_stream)
+
+    def _event(self):
+        return torch.cuda.Event() if self.cuda else None
+
+
+class _NullContext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62  # unknown: do not refuse
