@@ -39,11 +39,15 @@ def build(layers: int, liger: bool):
     return model
 
 
+OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto"}
+
+
 def step_fn(impl: str, model, chunk_size: int):
-    if impl == "oomb":
+    if impl in OOMB_OFFLOAD:
         import oomb
 
-        engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="triton")
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="triton",
+                                           offload=OOMB_OFFLOAD[impl])
         return lambda ids: engine.forward_backward(ids).loss
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -55,6 +59,7 @@ def step_fn(impl: str, model, chunk_size: int):
 
 
 def worker(args) -> None:
+    info = run_info()
     model = build(args.layers, args.impl == "liger")
     step = step_fn(args.impl, model, args.chunk_size)
     vocab = model.config.vocab_size
@@ -66,7 +71,7 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         row = {"bench": "step", "impl": args.impl, "seq_len": length, "layers": args.layers,
-               "chunk_size": args.chunk_size if args.impl == "oomb" else None, "weights_gib": round(weights_gib, 2)}
+               "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None, "weights_gib": round(weights_gib, 2)}
         try:
             loss = float(step(ids))
             torch.cuda.synchronize()
@@ -75,7 +80,9 @@ def worker(args) -> None:
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
+        row.update(info)
         print(json.dumps(row), flush=True)
+        append_results(args.out, [row])  # row by row: a run cut short keeps what it measured
         for p in model.parameters():
             p.grad = None
         torch.cuda.empty_cache()
@@ -85,11 +92,12 @@ def worker(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impls", default="oomb,liger,hf")
+    ap.add_argument("--impls", default="oomb,liger,hf", help="oomb, oomb-all, oomb-auto (offload modes), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
     args.lengths = [parse_tokens(x) for x in args.lengths.split(",")]
@@ -97,20 +105,14 @@ def main() -> None:
         sys.exit("bench_step.py needs a CUDA GPU")
     if args.impl:
         return worker(args)
-    info = run_info()
-    rows = []
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
-               "--layers", str(args.layers), "--chunk-size", str(args.chunk_size)]
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        lines = [json.loads(x) for x in out.stdout.splitlines() if x.startswith("{")]
-        if out.returncode and not lines:
-            lines = [{"bench": "step", "impl": impl, "ok": False, "error": out.stderr.strip().splitlines()[-1][:200]}]
-        for row in lines:
-            row.update(info)
-            print(json.dumps(row), flush=True)
-        rows += lines
-    append_results(args.out, rows)
+               "--layers", str(args.layers), "--chunk-size", str(args.chunk_size), "--out", args.out]
+        try:
+            subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
+        except subprocess.TimeoutExpired:
+            print(json.dumps({"bench": "step", "impl": impl, "ok": False, "error": f"timeout {args.timeout}s"}),
+                  flush=True)
 
 
 if __name__ == "__main__":

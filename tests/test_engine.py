@@ -148,3 +148,13 @@ def test_page_groups_merge_exactly(group_pages):
     ids = random_batch(2, 203)
     check_against_full_sequence(model, ids, ids, chunk_size=64, page_size=16, backend="torch",
                                 group_pages=group_pages)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
+def test_triton_backend_equals_full_sequence(family):
+    """The Triton kernels (interpreted on CPU, float32) inside the engine: same truth test."""
+    model = make_model(family)
+    ids = random_batch(2, 150)
+    labels = ids.clone()
+    labels[1, 60:70] = -100
+    check_against_full_sequence(model, ids, labels, chunk_size=64, page_size=16, backend="triton", group_pages=3)

@@ -26,6 +26,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def single_group(pages) -> PageGroups:
+    """All of a layer's earlier pages as one group (tests, benchmarks, small contexts)."""
+    return lambda with_grad: iter([pages])
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups,
                     scale: float, backend: str) -> torch.Tensor:
     """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D).

@@ -1,9 +1,10 @@
 """Paged attention in plain PyTorch: the oracle for the Triton kernels and the CPU backend.
 
-A chunk's queries attend to every key of the earlier pages and, causally, to the chunk's own
-keys. The earlier pages are gathered into contiguous tensors, attention is ordinary autograd
-math in fp32, and the gradient that reaches the gathered keys and values is added into the
-fp32 gradient pages (a hook on the gathered leaf), never handed to autograd's graph.
+A chunk's queries attend to every key of a group of earlier pages and (for the first group)
+causally to the chunk's own keys. The pages are gathered into contiguous tensors, the math is
+written out in fp32 (forward and backward, so it documents what the kernels compute), and the
+gradient of the gathered keys and values is added into the gradient pages: no KV tensor ever
+enters autograd's graph. Same interface as paged.py: forward() and backward().
 """
 from __future__ import annotations
 
@@ -16,26 +17,6 @@ def gather_pages(pages: LayerPages) -> tuple[torch.Tensor, torch.Tensor]:
     """Earlier keys and values as contiguous (B, Hkv, n_pages * P, D) tensors."""
     slots = pages.table.long()  # (B, n)
     return from_pages(pages.k[slots]), from_pages(pages.v[slots])
-
-
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_prev: int, scale: float):
-    """Causal GQA attention of a chunk's queries over n_prev earlier keys + its own, in fp32.
-
-    q: (B, H, C, D); k, v: (B, Hkv, n_prev + C, D). Query i sees keys j < n_prev + i + 1.
-    Returns o (B, H, C, D) in q's dtype and lse (B, H, C) fp32 (natural log).
-    """
-    b, h, c, d = q.shape
-    n_kv, n = k.shape[1], k.shape[2]
-    group = h // n_kv
-    # Heads kv*group .. kv*group+group-1 share KV head kv (transformers' repeat_kv order).
-    qg = q.float().reshape(b, n_kv, group * c, d)  # (B, Hkv, G*C, D)
-    s = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # (B, Hkv, G*C, N)
-    qpos = torch.arange(c, device=q.device).repeat(group) + n_prev  # (G*C,)
-    visible = torch.arange(n, device=q.device)[None, :] <= qpos[:, None]  # (G*C, N)
-    s = s.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    o = torch.matmul(torch.exp(s - lse), v.float())  # (B, Hkv, G*C, D)
-    return o.reshape(b, h, c, d).to(q.dtype), lse.reshape(b, h, c)
 
 
 def _keys(k, v, pages: LayerPages, include_self: bool):
@@ -99,26 +80,6 @@ def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self:
     if not include_self:
         return dq, None, None
     return dq, dk_all[:, :, n_paged:].to(k.dtype), dv_all[:, :, n_paged:].to(v.dtype)
-
-
-def reference_forward(q, k, v, pages: LayerPages, scale: float):
-    """(o, lse) of paged attention without autograd: what a kernel's forward must return."""
-    kp, vp = gather_pages(pages)
-    return attend(q, torch.cat([kp, k], dim=2), torch.cat([vp, v], dim=2), kp.shape[2], scale)
-
-
-def paged_attention_torch(q, k, v, pages: LayerPages, scale: float) -> torch.Tensor:
-    """Torch backend: o (B, H, C, D). With grad enabled and gradient pages given, the
-    gradient of the earlier keys/values is added into pages.dk / pages.dv during backward."""
-    kp, vp = gather_pages(pages)  # (B, Hkv, n*P, D)
-    if torch.is_grad_enabled() and pages.dk is not None and pages.n_pages > 0:
-        kp.requires_grad_(True)
-        vp.requires_grad_(True)
-        slots = pages.table.long()
-        kp.register_hook(lambda g: _accumulate(pages.dk, slots, g))
-        vp.register_hook(lambda g: _accumulate(pages.dv, slots, g))
-    o, _ = attend(q, torch.cat([kp, k], dim=2), torch.cat([vp, v], dim=2), kp.shape[2], scale)
-    return o
 
 
 def _accumulate(dst: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:

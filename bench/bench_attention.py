@@ -1,0 +1,129 @@
+"""Paged attention kernels vs SDPA (cuDNN, flash), forward and backward TFLOP/s, one process.
+
+4,096 queries (28 heads, 4 KV heads, head_dim 128, bf16, page size 128) against N earlier keys.
+The paged kernel also does the chunk's own causal part (4,096 x 4,096 / 2), counted in its
+FLOPs; SDPA runs non-causal on contiguous K/V of the earlier keys only.
+
+    python bench/bench_attention.py --keys 16384,65536,262144,1048576
+
+Prints one JSON line per (N, impl), a table of paged / best-SDPA ratios, and appends the JSON
+lines (with GPU name, versions, commit, date) to --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_results, run_info  # noqa: E402
+
+H, HKV, D, M, PAGE_SIZE = 28, 4, 128, 4096, 128
+
+
+def parse_args():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", default="16384,65536,262144,1048576", help="comma-separated earlier-key counts N")
+    ap.add_argument("--queries", type=int, default=M, help="chunk length C (queries)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention.jsonl"))
+    ap.add_argument("--no-sdpa", action="store_true", help="time only the paged kernels")
+    return ap.parse_args()
+
+
+def bench_paged(n_keys: int, c: int) -> dict:
+    from triton.testing import do_bench
+
+    from oomb.attention.paged import _backward, _forward
+    from oomb.memory.spec import LayerPages
+
+    n_pages = n_keys // PAGE_SIZE
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, c, H, D, device=dev, dtype=dt).transpose(1, 2)  # (B, H, C, D) as the model gives it
+    k = torch.randn(1, c, HKV, D, device=dev, dtype=dt).transpose(1, 2)  # (B, Hkv, C, D)
+    v = torch.randn(1, c, HKV, D, device=dev, dtype=dt).transpose(1, 2)
+    kp = torch.randn(n_pages, HKV, PAGE_SIZE, D, device=dev, dtype=dt)  # (n_slots, Hkv, P, D)
+    vp = torch.randn_like(kp)
+    dkp = torch.zeros(kp.shape, device=dev, dtype=torch.float32)  # reused across timed runs
+    dvp = torch.zeros_like(dkp)
+    table = torch.randperm(n_pages, device=dev).int().view(1, n_pages)  # pages scattered in the pool
+    pages = LayerPages(kp, vp, dkp, dvp, table)
+    do = torch.randn(1, H, c, D, device=dev, dtype=dt)
+    scale = D ** -0.5
+
+    fwd_ms = do_bench(lambda: _forward(q, k, v, pages, scale), return_mode="median")
+    o, lse = _forward(q, k, v, pages, scale)
+    # Backward only: the launcher that autograd's backward calls, on the saved o and lse.
+    bwd_ms = do_bench(lambda: _backward(do, q, k, v, o, lse, pages, scale), return_mode="median")
+    # FLOPs: 2 matmuls of 2*M*N*D per head over the pages, half that (causal) over the chunk.
+    flops = 4 * c * n_keys * D * H + 2 * c * c * D * H
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": flops}
+
+
+def bench_sdpa(n_keys: int, c: int, backend) -> dict:
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+    from triton.testing import do_bench
+
+    dev, dt = "cuda", torch.bfloat16
+    q = torch.randn(1, H, c, D, device=dev, dtype=dt, requires_grad=True)
+    k = torch.randn(1, HKV, n_keys, D, device=dev, dtype=dt, requires_grad=True)
+    v = torch.randn(1, HKV, n_keys, D, device=dev, dtype=dt, requires_grad=True)
+    do = torch.randn(1, H, c, D, device=dev, dtype=dt)
+    with sdpa_kernel(backend):
+        fwd_ms = do_bench(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), return_mode="median")
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        bwd_ms = do_bench(lambda: torch.autograd.grad(o, (q, k, v), do, retain_graph=True), return_mode="median")
+    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": 4 * c * n_keys * D * H}  # non-causal
+
+
+def main() -> int:
+    args = parse_args()
+    if not torch.cuda.is_available():
+        print("bench_attention.py needs a CUDA GPU (the Triton kernels are timed there); none found.", file=sys.stderr)
+        return 1
+    from torch.nn.attention import SDPBackend
+
+    info = run_info()
+    impls = [("paged", None)]
+    if not args.no_sdpa:
+        impls += [("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
+    rows = []
+    for n_keys in (int(x) for x in args.keys.split(",")):
+        assert n_keys % PAGE_SIZE == 0, f"--keys must be multiples of the page size {PAGE_SIZE}"
+        for name, backend in impls:
+            row = {"N": n_keys, "C": args.queries, "H": H, "Hkv": HKV, "D": D, "page_size": PAGE_SIZE,
+                   "dtype": "bf16", "impl": name}
+            try:
+                r = bench_paged(n_keys, args.queries) if backend is None else bench_sdpa(n_keys, args.queries, backend)
+                row.update(fwd_ms=round(r["fwd_ms"], 3), bwd_ms=round(r["bwd_ms"], 3),
+                           fwd_tflops=round(r["flops"] / r["fwd_ms"] / 1e9, 1),
+                           bwd_tflops=round(2.5 * r["flops"] / r["bwd_ms"] / 1e9, 1))  # bwd = 2.5x fwd FLOPs
+                if backend is None:
+                    row["note"] = "includes the chunk's causal self part (2*C*C*D*H FLOPs counted)"
+            except Exception as ex:  # noqa: BLE001 - a missing SDPA backend is a result, not a crash
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
+            row.update(info)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+            torch.cuda.empty_cache()
+
+    append_results(args.out, rows)
+
+    print(f"\n{'N':>9} {'paged fwd':>10} {'best sdpa':>10} {'ratio':>6} | {'paged bwd':>10} {'best sdpa':>10} {'ratio':>6}  (TFLOP/s)")
+    for n_keys in sorted({r["N"] for r in rows}):
+        paged = next((r for r in rows if r["N"] == n_keys and r["impl"] == "paged" and "error" not in r), None)
+        sdpa = [r for r in rows if r["N"] == n_keys and r["impl"] != "paged" and "error" not in r]
+        if paged is None:
+            continue
+        bf = max((r["fwd_tflops"] for r in sdpa), default=float("nan"))
+        bb = max((r["bwd_tflops"] for r in sdpa), default=float("nan"))
+        print(f"{n_keys:>9} {paged['fwd_tflops']:>10.1f} {bf:>10.1f} {paged['fwd_tflops'] / bf:>6.2f} | "
+              f"{paged['bwd_tflops']:>10.1f} {bb:>10.1f} {paged['bwd_tflops'] / bb:>6.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,553 @@
+"""Paged attention in Triton: a chunk's queries over the earlier pages plus its own keys.
+
+Query i of a chunk of C tokens sees every key of the n_pages earlier pages (all full, all
+before the chunk) and the chunk's own keys j <= i. The kernels read the pages in place through
+the page table (no gather) and add the gradient of the earlier keys/values into the fp32
+gradient pages. The semantics are reference.py's, which the tests compare against.
+
+File order follows Triton's fused-attention tutorial: inner loop helper, forward kernel,
+backward preprocess, backward kernels, autograd Function, public alias.
+
+Grids (no atomics anywhere: every output element has exactly one writer, so gradients are
+bitwise deterministic run to run):
+  forward       (query tile, b * H)     loop: page key tiles, then own keys (causal)
+  preprocess    (query tile, b * H)     delta = rowsum(O * dO)
+  dK/dV pages   (page key tile, b*Hkv)  loop: the query tiles of the G heads of the group;
+                                         read-modify-write into pages.dk / pages.dv (fp32)
+  dK/dV own     (key tile, b * Hkv)     loop: the query tiles at or after the key tile (causal)
+  dQ            (query tile, b * H)     loop: page key tiles, then own keys (causal)
+
+Tricks, stated where they happen: exp2 with 1/ln 2 folded into the softmax scale; only the
+(base-2) LSE is saved for backward; the causal loops are split so the mask is applied on the
+diagonal tiles only; the key tile size is independent of the page size (a page is stepped
+through in PAGE_SIZE // BLOCK_N tiles).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..memory.store import LayerPages
+
+LN2 = math.log(2.0)
+RCP_LN2 = 1.0 / LN2
+MAX_HEAD_DIM = 256
+
+
+# ----------------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
+                    MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N)."""
+    kT = tl.load(kT_ptrs, mask=kT_mask, other=0.0)
+    # Scores in log2 units: qk_scale = scale / ln 2, so exp2(qk - m) = exp(scale * q.k - m').
+    qk = tl.dot(q, kT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+    if MASK:  # diagonal tiles only
+        qk = tl.where(visible, qk, float("-inf"))
+    m_ij = tl.maximum(m_i, tl.max(qk, 1))
+    p = tl.math.exp2(qk - m_ij[:, None])
+    alpha = tl.math.exp2(m_i - m_ij)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IN_PRECISION)
+    return acc, l_i, m_ij
+
+
+@triton.jit
+def _paged_attn_fwd(
+    Q, K, V, KP, VP, Table, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools (same strides)
+    stride_tb, stride_tp,
+    stride_ob, stride_oh, stride_om, stride_od,
+    C, n_pages, qk_scale, H,
+    GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_kvh = off_h // GROUP  # heads kv*G .. kv*G+G-1 share KV head kv (repeat_kv order)
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)  # HEAD_DIM = D padded to a power of 2; masked beyond D
+    mask_d = offs_d < D
+    mask_m = offs_m < C
+
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
+
+    # Finite start (not -inf): a row whose first tiles are all masked never computes inf - inf.
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # Earlier pages: full, all before the chunk, so no mask but the head_dim one. One flat
+    # loop over (page, tile within page) so the compiler pipelines it.
+    tiles_per_page = PAGE_SIZE // BLOCK_N
+    kT_mask = mask_d[:, None]
+    v_mask = mask_d[None, :]
+    for t in range(0, n_pages * tiles_per_page):
+        slot = tl.load(Table + off_b * stride_tb + (t // tiles_per_page) * stride_tp).to(tl.int64)
+        base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
+        kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+        v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
+                                        qk_scale, False, IN_PRECISION)
+
+    # The chunk's own keys ride with the first group of pages only (attention/function.py).
+    if INCLUDE_SELF:
+        # Own keys before this query tile: all visible (and all < C), no mask.
+        k_base = K + off_b * stride_kb + off_kvh * stride_kh
+        v_base = V + off_b * stride_vb + off_kvh * stride_vh
+        for start_n in range(0, start_m * BLOCK_M, BLOCK_N):
+            kT_ptrs = k_base + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
+                                            qk_scale, False, IN_PRECISION)
+        # Diagonal tiles: causal mask j <= i, and j < C (keys past the chunk are padding).
+        for start_n in range(start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
+            cols = start_n + offs_n
+            kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            in_chunk = cols < C
+            visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs,
+                                            kT_mask & in_chunk[None, :], v_mask & in_chunk[:, None], visible,
+                                            qk_scale, True, IN_PRECISION)
+
+    acc = acc / l_i[:, None]
+    # Base-2 LSE (log2 sum 2^(qk)): the only statistic backward needs.
+    tl.store(LSE + off_bh.to(tl.int64) * C + offs_m, m_i + tl.math.log2(l_i), mask=mask_m)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+
+
+# ----------------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _paged_attn_bwd_preprocess(
+    O, DO, Delta,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    C, H, D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m < C)[:, None] & (offs_d < D)[None, :]
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                mask=mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,) = rowsum(O * dO)
+    tl.store(Delta + off_bh.to(tl.int64) * C + offs_m, delta, mask=offs_m < C)
+
+
+# The derivative, per query row i (natural log; P = softmax(S), S = scale * Q K^T):
+#   dV = P^T dO
+#   dP = dO V^T
+#   dS = P * (dP - delta),   delta_i = sum_j P_ij dP_ij = rowsum(O * dO)_i
+#   dQ = scale * dS K
+#   dK = scale * dS^T Q
+# P is recomputed from the saved LSE: with qk = S / ln 2 and lse2 = LSE / ln 2,
+# P = exp2(qk - lse2). GQA: dK/dV of a KV head sum over the G query heads of its group.
+# Query rows past the chunk (padding) load q = dO = 0 and lse = +inf, so their P is 0.
+
+
+@triton.jit
+def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask_d,
+                   stride_qm, stride_qd, stride_dom, stride_dod, C, qk_scale,
+                   MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """One query tile into dK/dV of a key tile. k, v (BLOCK_N, HEAD_DIM); Q, DO, LSE, Delta
+    point at the query head's row 0."""
+    mask_m = offs_m < C
+    qT = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+                 mask=mask_m[None, :] & mask_d[:, None], other=0.0)  # (HEAD_DIM, BLOCK_M)
+    lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
+    qkT = tl.dot(k, qT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+    pT = tl.math.exp2(qkT - lse[None, :])
+    if MASK:  # diagonal tiles only: key j visible to query i iff j <= i
+        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
+    dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
+    delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+    dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
+    dsT = pT * (dpT - delta[None, :])
+    dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=IN_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_scale,
+                 MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """One key tile into dQ of a query tile. q, do (BLOCK_M, HEAD_DIM); kT, vT (HEAD_DIM, BLOCK_N)."""
+    kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
+    vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, kT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
+    p = tl.math.exp2(qk - lse[:, None])
+    if MASK:
+        p = tl.where(visible, p, 0.0)
+    dp = tl.dot(do, vT, input_precision=IN_PRECISION)
+    ds = p * (dp - delta[:, None])
+    dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=IN_PRECISION)
+    return dq
+
+
+@triton.jit
+def _paged_attn_bwd_dkdv_pages(
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
+    stride_gs, stride_gh, stride_gn, stride_gd,  # DKP and DVP gradient pools
+    stride_tb, stride_tp,
+    C, qk_scale, scale, H, HKV,
+    GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
+):
+    """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
+    of the gradient pages, so the read-modify-write needs no atomics."""
+    pid = tl.program_id(0)
+    tiles_per_page = PAGE_SIZE // BLOCK_N
+    page = pid // tiles_per_page
+    start_n = (pid % tiles_per_page) * BLOCK_N
+    off_bkv = tl.program_id(1)
+    off_b = (off_bkv // HKV).to(tl.int64)
+    off_kvh = (off_bkv % HKV).to(tl.int64)
+    slot = tl.load(Table + off_b * stride_tb + page * stride_tp).to(tl.int64)
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < D
+    kv_offs = slot * stride_ps + off_kvh * stride_ph + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
+    k = tl.load(KP + kv_offs, mask=mask_d[None, :], other=0.0)  # (BLOCK_N, HEAD_DIM)
+    v = tl.load(VP + kv_offs, mask=mask_d[None, :], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Every query of the chunk sees every earlier key: no causal mask.
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        off_bh = off_b * H + off_h
+        q_head = Q + off_b * stride_qb + off_h * stride_qh
+        do_head = DO + off_b * stride_dob + off_h * stride_doh
+        for start_m in range(0, C, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + off_bh * C, Delta + off_bh * C,
+                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                    C, qk_scale, False, IN_PRECISION)
+
+    dk *= scale  # dK = scale * dS^T Q
+    g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
+    g_mask = mask_d[None, :]
+    tl.store(DKP + g_offs, tl.load(DKP + g_offs, mask=g_mask, other=0.0) + dk, mask=g_mask)
+    tl.store(DVP + g_offs, tl.load(DVP + g_offs, mask=g_mask, other=0.0) + dv, mask=g_mask)
+
+
+@triton.jit
+def _paged_attn_bwd_dkdv_own(
+    Q, DO, LSE, Delta, K, V, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV outputs (same strides)
+    C, qk_scale, scale, H, HKV,
+    GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
+):
+    """One program per (key tile of the chunk, b, KV head); loops over the query tiles that can
+    see the key tile (those at or after it) of the G heads of the group."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bkv = tl.program_id(1)
+    off_b = (off_bkv // HKV).to(tl.int64)
+    off_kvh = (off_bkv % HKV).to(tl.int64)
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < D
+    mask_nd = (offs_n < C)[:, None] & mask_d[None, :]
+    k = tl.load(K + off_b * stride_kb + off_kvh * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=mask_nd, other=0.0)  # (BLOCK_N, HEAD_DIM)
+    v = tl.load(V + off_b * stride_vb + off_kvh * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                mask=mask_nd, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    for g in range(GROUP):
+        off_h = off_kvh * GROUP + g
+        off_bh = off_b * H + off_h
+        q_head = Q + off_b * stride_qb + off_h * stride_qh
+        do_head = DO + off_b * stride_dob + off_h * stride_doh
+        lse_head = LSE + off_bh * C
+        delta_head = Delta + off_bh * C
+        # Diagonal: query tiles overlapping the key tile (BLOCK_N % BLOCK_M == 0), masked.
+        for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, C), BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                    C, qk_scale, True, IN_PRECISION)
+        # Later query tiles see the whole key tile: no mask.
+        for start_m in range(start_n + BLOCK_N, C, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                    C, qk_scale, False, IN_PRECISION)
+
+    dk *= scale
+    out_offs = off_b * stride_dkb + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=mask_nd)
+    tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=mask_nd)
+
+
+@triton.jit
+def _paged_attn_bwd_dq(
+    Q, DO, LSE, Delta, K, V, KP, VP, Table, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ps, stride_ph, stride_pn, stride_pd,
+    stride_tb, stride_tp,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    C, n_pages, qk_scale, scale, H,
+    GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
+):
+    """One program per (query tile, b, head); loops over the page key tiles, then the chunk."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_kvh = off_h // GROUP
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask_d = offs_d < D
+    mask_m = offs_m < C
+    mask_md = mask_m[:, None] & mask_d[None, :]
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                mask=mask_md, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                 mask=mask_md, other=0.0)
+    lse = tl.load(LSE + off_bh.to(tl.int64) * C + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(Delta + off_bh.to(tl.int64) * C + offs_m, mask=mask_m, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    tiles_per_page = PAGE_SIZE // BLOCK_N
+    kv_mask = mask_d[:, None]
+    for t in range(0, n_pages * tiles_per_page):
+        slot = tl.load(Table + off_b * stride_tb + (t // tiles_per_page) * stride_tp).to(tl.int64)
+        base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
+        kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+        vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+        dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, kv_mask, qk_scale, False, IN_PRECISION)
+
+    if INCLUDE_SELF:
+        k_base = K + off_b * stride_kb + off_kvh * stride_kh
+        v_base = V + off_b * stride_vb + off_kvh * stride_vh
+        for start_n in range(0, start_m * BLOCK_M, BLOCK_N):
+            cols = start_n + offs_n
+            kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
+            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, kv_mask, qk_scale, False, IN_PRECISION)
+        for start_n in range(start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
+            cols = start_n + offs_n
+            in_chunk = cols < C
+            kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
+            visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
+            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask & in_chunk[None, :], visible,
+                              qk_scale, True, IN_PRECISION)
+
+    dq *= scale  # dQ = scale * dS K
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
+             dq.to(DQ.dtype.element_ty), mask=mask_md)
+
+
+# ----------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages) -> None:
+    """Errors a caller can cause, with the value, the limit and the fix."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"q, k, v must be (B, H, C, D) / (B, Hkv, C, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(v.shape)}")
+    b, h, c, d = q.shape
+    n_kv = k.shape[1]
+    if k.shape != (b, n_kv, c, d) or v.shape != k.shape:
+        raise ValueError(f"k and v must be (B, Hkv, C, D) = ({b}, Hkv, {c}, {d}); got {tuple(k.shape)}, {tuple(v.shape)}")
+    if n_kv == 0 or h % n_kv != 0:
+        raise ValueError(f"query heads H={h} must be a multiple of KV heads Hkv={n_kv}")
+    if c < 1:
+        raise ValueError(f"the chunk must have at least 1 query; got C={c}")
+    if d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim={d} is larger than the Triton kernels support ({MAX_HEAD_DIM}); "
+                         "use backend='torch' for this model")
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"q dtype {q.dtype} is not supported; use float16, bfloat16 or float32")
+    if k.dtype != q.dtype or v.dtype != q.dtype or pages.k.dtype != q.dtype or pages.v.dtype != q.dtype:
+        raise ValueError(f"q, k, v and the pages must share one dtype; got q {q.dtype}, k {k.dtype}, "
+                         f"v {v.dtype}, pages {pages.k.dtype}/{pages.v.dtype}")
+    n_slots, p_kv, page_size, p_d = pages.k.shape
+    if page_size < 16 or page_size & (page_size - 1):
+        raise ValueError(f"page_size={page_size} must be a power of two >= 16 for the Triton kernels")
+    if (p_kv, p_d) != (n_kv, d) or pages.v.shape != pages.k.shape:
+        raise ValueError(f"page pools must be (n_slots, Hkv={n_kv}, P, D={d}); got {tuple(pages.k.shape)}, "
+                         f"{tuple(pages.v.shape)}")
+    if pages.table.dim() != 2 or pages.table.shape[0] != b:
+        raise ValueError(f"pages.table must be (B={b}, n_pages); got {tuple(pages.table.shape)}")
+    if pages.dk is not None:
+        if pages.dk.shape != pages.k.shape or pages.dv is None or pages.dv.shape != pages.k.shape:
+            raise ValueError("pages.dk and pages.dv must both be given, shaped like pages.k")
+        if pages.dk.dtype != torch.float32 or pages.dv.dtype != torch.float32:
+            raise ValueError(f"gradient pages must be float32; got {pages.dk.dtype}/{pages.dv.dtype}")
+    # Internal layout invariants of the store (pools made with empty_like share strides).
+    assert pages.k.stride() == pages.v.stride(), "k and v pools must share strides"
+    assert pages.dk is None or pages.dk.stride() == pages.dv.stride(), "dk and dv pools must share strides"
+
+
+def _head_dim_block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
+    """Tile sizes: small ones for the interpreter; H100/H200 ones for D <= 128 in 16-bit."""
+    if q.device.type != "cuda":
+        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+    if q.dtype == torch.float32 or head_dim > 128:  # twice the bytes per tile: halve it
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    # Measured on an H200 (bf16, D=128, C=4096, 64K keys): 425 TFLOP/s; BLOCK_N=64 gave 360,
+    # num_warps=4 191, num_warps=16 283, num_stages=3 the same as 2.
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+
+
+def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
+    """dK/dV: BLOCK_N1 keys held, BLOCK_M1 queries streamed (BLOCK_N1 % BLOCK_M1 == 0);
+    dQ: BLOCK_M2 queries held, BLOCK_N2 keys streamed (BLOCK_M2 % BLOCK_N2 == 0)."""
+    if q.device.type != "cuda":
+        return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
+    if q.dtype == torch.float32 or head_dim > 128:
+        return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1)
+    # Measured on an H200 (bf16, D=128, C=4096, 64K keys): 366 TFLOP/s (2.5x fwd FLOPs); the
+    # tutorial's 32/128/128/32 gave 239, 128-wide everywhere 126, num_warps=4 134-145.
+    return dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
+
+
+def _precision(q: torch.Tensor) -> str:
+    # fp32 inputs: exact fp32 dots (the GPU would otherwise use TF32); 16-bit inputs ignore it.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None):
+    """o (B, H, C, D) in o_dtype (default q's) and the base-2 lse (B, H, C) fp32."""
+    _check(q, k, v, pages)
+    b, h, c, d = q.shape
+    n_kv = k.shape[1]
+    page_size = pages.k.shape[2]
+    cfg = _fwd_config(q, d)
+    block_n = min(cfg["BLOCK_N"], page_size)  # P % BLOCK_N == 0 (both powers of two)
+    o = torch.empty((b, h, c, d), dtype=o_dtype or q.dtype, device=q.device)
+    lse = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
+    grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h)
+    _paged_attn_fwd[grid](
+        q, k, v, pages.k, pages.v, pages.table, o, lse,
+        *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
+        c, pages.n_pages, scale * RCP_LN2, h,
+        GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, lse
+
+
+def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, dq_dtype=None):
+    """dq (dq_dtype, default q's), dk, dv of the chunk (None without include_self); adds the
+    pages' gradient into pages.dk/dv. lse is base 2, as _forward returns it."""
+    b, h, c, d = q.shape
+    n_kv = k.shape[1]
+    group = h // n_kv
+    page_size = pages.k.shape[2]
+    head_dim = _head_dim_block(d)
+    cfg = _bwd_config(q, d)
+    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    precision = _precision(q)
+
+    delta = torch.empty_like(lse)  # (B, H, C) fp32
+    _paged_attn_bwd_preprocess[(triton.cdiv(c, 64), b * h)](
+        o, do, delta, *o.stride(), *do.stride(), c, h, D=d, HEAD_DIM=head_dim, BLOCK_M=64,
+    )
+
+    if pages.dk is not None and pages.n_pages > 0:
+        block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
+        grid = (pages.n_pages * (page_size // block_n), b * n_kv)
+        _paged_attn_bwd_dkdv_pages[grid](
+            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table,
+            *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
+            c, scale * RCP_LN2, scale, h, n_kv,
+            GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, **launch,
+        )
+
+    dk = dv = None
+    if include_self:
+        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, C, D)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+        _paged_attn_bwd_dkdv_own[(triton.cdiv(c, cfg["BLOCK_N1"]), b * n_kv)](
+            q, do, lse, delta, k, v, dk, dv,
+            *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(),
+            c, scale * RCP_LN2, scale, h, n_kv,
+            GROUP=group, D=d, HEAD_DIM=head_dim,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, **launch,
+        )
+
+    dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
+    _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
+        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, dq,
+        *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
+        *dq.stride(),
+        c, pages.n_pages, scale * RCP_LN2, scale, h,
+        GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
+        INCLUDE_SELF=include_self, **launch,
+    )
+    return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------------------
+# The backend interface (attention/function.py runs it over groups of pages, with autograd)
+# ----------------------------------------------------------------------------------------
+
+
+def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):
+    """One group's (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log); see reference.forward."""
+    o, lse2 = _forward(q, k, v, pages, scale, include_self, o_dtype=torch.float32)
+    return o, lse2 * LN2  # log2-sum-exp2 -> natural log
+
+
+def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True):
+    """One group's (dq fp32, dk, dv or None) given the final o, lse (natural log) of all groups;
+    adds the pages' dK/dV into pages.dk / pages.dv. See reference.backward."""
+    return _backward(do, q, k, v, o, lse * RCP_LN2, pages, scale, include_self, dq_dtype=torch.float32)

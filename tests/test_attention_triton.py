@@ -1,0 +1,273 @@
+"""Triton paged attention against the PyTorch reference (CPU: TRITON_INTERPRET=1; GPU: -m gpu).
+
+Tolerance habit: every result is compared with a float64 oracle, and the kernel's error must
+be at most 3x the error that plain PyTorch makes against the same oracle (the fp32 reference
+backend, and plain attention computed in the input dtype), plus a tiny epsilon for results
+that torch gets exactly.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+from oomb.attention import paged, paged_attention, reference, single_group  # noqa: E402
+from oomb.memory.store import LayerPages, from_pages  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+SCALE = 0.3
+
+
+def paged_attention_triton(q, k, v, pages, scale):
+    return paged_attention(q, k, v, single_group(pages), scale, "triton")
+
+
+def paged_attention_torch(q, k, v, pages, scale):
+    return paged_attention(q, k, v, single_group(pages), scale, "torch")
+
+
+def paged_attention_forward(q, k, v, pages, scale):
+    """(o in q's dtype, lse natural log) of the Triton forward, without autograd."""
+    o, lse = paged.forward(q, k, v, pages, scale)
+    return o.to(q.dtype), lse
+
+
+def reference_forward(q, k, v, pages, scale):
+    o, lse = reference.forward(q, k, v, pages, scale)
+    return o.to(q.dtype), lse
+
+
+def make_case(b, h, n_kv, c, d, page_size, n_pages, dtype, device="cpu", seed=0, spare=3):
+    """Random q, k, v (non-contiguous, as from a transpose of (B, C, H, D)), page pools with
+    spare unused slots, a random permutation of slots in the table (itself a strided view, as
+    the store's table[layer, :, :n_pages] is), and non-zero gradient pools."""
+    g = torch.Generator().manual_seed(seed)
+    n_slots = b * n_pages + spare
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g).to(device=device, dtype=dtype)
+
+    q = rand(b, c, h, d).transpose(1, 2)  # (B, H, C, D) non-contiguous
+    k = rand(b, c, n_kv, d).transpose(1, 2)  # (B, Hkv, C, D)
+    v = rand(b, c, n_kv, d).transpose(1, 2)
+    kp = rand(n_slots, n_kv, page_size, d)  # (n_slots, Hkv, P, D)
+    vp = rand(n_slots, n_kv, page_size, d)
+    dk0 = torch.randn(n_slots, n_kv, page_size, d, generator=g).to(device)  # fp32 accumulators
+    dv0 = torch.randn(n_slots, n_kv, page_size, d, generator=g).to(device)
+    slots = torch.randperm(n_slots, generator=g)[: b * n_pages].view(b, n_pages).int()
+    tables = torch.full((3, b, n_pages + 2), -1, dtype=torch.int32)
+    tables[1, :, :n_pages] = slots
+    table = tables.to(device)[1, :, :n_pages]  # (B, n_pages) strided view
+    do = rand(b, h, c, d)
+    return q, k, v, kp, vp, dk0, dv0, table, do
+
+
+def attend_plain(q, k, v, n_prev, scale, dtype):
+    """Causal GQA attention with the matmuls in `dtype` (float64: the oracle; 16-bit: what plain
+    PyTorch makes in that dtype). q (B, H, C, D); k, v (B, Hkv, n_prev + C, D)."""
+    b, h, c, d = q.shape
+    n = k.shape[2]
+    group = h // k.shape[1]
+    k = k.to(dtype).repeat_interleave(group, dim=1)  # (B, H, N, D)
+    v = v.to(dtype).repeat_interleave(group, dim=1)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    s = torch.matmul(q.to(dtype), k.transpose(-1, -2)).to(acc) * scale  # (B, H, C, N)
+    visible = torch.arange(n, device=q.device)[None, :] <= torch.arange(c, device=q.device)[:, None] + n_prev
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.matmul(torch.softmax(s, dim=-1).to(dtype), v)
+    return o, lse
+
+
+def run_plain(q, k, v, kp, vp, table, do, dtype):
+    """o, lse, dq, dk, dv, dkp, dvp (the last two as (B, Hkv, n*P, D)) of attend_plain."""
+    slots = table.long()
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (
+        q, k, v, from_pages(kp[slots]), from_pages(vp[slots]))]
+    q_, k_, v_, kp_, vp_ = leaves
+    o, lse = attend_plain(q_, torch.cat([kp_, k_], 2), torch.cat([vp_, v_], 2), kp_.shape[2], SCALE, dtype)
+    o.backward(do.to(dtype))
+    return [o.detach(), lse.detach()] + [x.grad for x in leaves]
+
+
+def err(x, oracle):
+    return (x.double() - oracle).abs().max().item() if oracle.numel() else 0.0
+
+
+def check(name, got, oracle, *torch_results):
+    """Kernel error <= 3x the worst plain-PyTorch error against the float64 oracle + epsilon.
+
+    The epsilon is a few fp32 roundings at the oracle's magnitude (at least 1): it only matters
+    where torch is exact, e.g. dq = 0 for a query that sees a single key, which the kernel gets
+    as p * (dp - delta), a difference of two fp32 dot products summed in different orders."""
+    magnitude = max(1.0, oracle.abs().max().item() if oracle.numel() else 0.0)
+    bound = 3 * max(err(t, oracle) for t in torch_results) + 16 * torch.finfo(torch.float32).eps * magnitude
+    e = err(got, oracle)
+    assert e <= bound, f"{name}: kernel error {e:.3g} > bound {bound:.3g} (torch errors " \
+                       f"{[round(err(t, oracle), 9) for t in torch_results]})"
+
+
+def scatter_pool(pool0, table, grad):
+    """pool0 (n_slots, Hkv, P, D) + grad (B, Hkv, n*P, D) at the table's slots, in float64."""
+    out = pool0.double().clone()
+    n_pages = table.shape[1]
+    if n_pages:
+        b, n_kv, _, d = grad.shape
+        out[table.long()] += grad.double().reshape(b, n_kv, n_pages, -1, d).transpose(1, 2)
+    return out
+
+
+def run_case(b, h, n_kv, c, d, page_size, n_pages, dtype, device):
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(b, h, n_kv, c, d, page_size, n_pages, dtype, device)
+    oracle = run_plain(q, k, v, kp, vp, table, do, torch.float64)
+    low = run_plain(q, k, v, kp, vp, table, do, dtype)
+
+    # Forward, no autograd.
+    pages = LayerPages(kp, vp, None, None, table)
+    o, lse = paged_attention_forward(q, k, v, pages, SCALE)
+    ro, rlse = reference_forward(q, k, v, pages, SCALE)
+    assert o.dtype == q.dtype and o.shape == q.shape and lse.dtype == torch.float32
+    check("o", o, oracle[0], ro, low[0])
+    check("lse", lse, oracle[1], rlse, low[1])
+
+    # Backward: kernel vs reference (own copies of the same non-zero gradient pools).
+    grads = {}
+    for name, fn in (("triton", paged_attention_triton), ("torch", paged_attention_torch)):
+        pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        fn(*leaves, pages, SCALE).backward(do)
+        grads[name] = [x.grad for x in leaves] + [pages.dk, pages.dv]
+    got, ref = grads["triton"], grads["torch"]
+    for i, name in enumerate(("dq", "dk", "dv")):
+        assert got[i].dtype == dtype and got[i].shape == (q, k, v)[i].shape
+        check(name, got[i], oracle[2 + i], ref[i], low[2 + i])
+    for i, (name, pool0) in enumerate((("dk pool", dk0), ("dv pool", dv0))):
+        want = scatter_pool(pool0, table, oracle[5 + i])
+        check(name, got[3 + i], want, ref[3 + i], scatter_pool(pool0, table, low[5 + i]))
+        unused = torch.ones(pool0.shape[0], dtype=torch.bool, device=device)
+        unused[table.long().flatten()] = False
+        assert torch.equal(got[3 + i][unused], pool0[unused]), f"{name}: unused slots were written"
+
+
+# (B, H, Hkv, C, D, P, n_pages): GQA 1/4/7, C 1/17/40/97, D 16/24/32, P 16/32, 0/1/3/5 pages.
+CASES = [
+    (1, 2, 2, 1, 16, 16, 0),
+    (2, 8, 2, 17, 32, 16, 1),
+    (1, 7, 1, 40, 24, 32, 5),
+    (1, 2, 2, 40, 16, 32, 5),
+    (2, 7, 1, 17, 24, 16, 0),
+    (1, 8, 2, 1, 32, 32, 5),
+    (2, 4, 1, 97, 16, 16, 3),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "B{}H{}kv{}C{}D{}P{}n{}".format(*c))
+def test_matches_reference(case, dtype):
+    run_case(*case, dtype, "cpu")
+
+
+def test_no_grad_pages_and_no_grad_mode():
+    q, k, v, kp, vp, _, _, table, do = make_case(1, 4, 2, 17, 16, 16, 2, torch.float32)
+    kp0, vp0 = kp.clone(), vp.clone()
+    pages = LayerPages(kp, vp, None, None, table)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    paged_attention_triton(*leaves, pages, SCALE).backward(do)
+    ref = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    paged_attention_torch(*ref, pages, SCALE).backward(do)
+    for a, r in zip(leaves, ref):
+        torch.testing.assert_close(a.grad, r.grad, rtol=1e-4, atol=1e-5)  # fp32 vs fp32
+    assert torch.equal(kp, kp0) and torch.equal(vp, vp0)
+    with torch.no_grad():
+        o = paged_attention_triton(q, k, v, pages, SCALE)
+    assert o.grad_fn is None
+    assert torch.equal(o, paged_attention_forward(q, k, v, pages, SCALE)[0])
+
+
+def backward_twice(device, dtype, shape):
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(*shape, dtype, device)
+    runs = []
+    for _ in range(2):
+        pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        paged_attention_triton(*leaves, pages, SCALE).backward(do)
+        runs.append([x.grad for x in leaves] + [pages.dk, pages.dv])
+    for name, a, b in zip(("dq", "dk", "dv", "dk pool", "dv pool"), *runs):
+        assert torch.equal(a, b), f"{name} differs between two identical backward runs"
+
+
+def test_deterministic():
+    backward_twice("cpu", torch.float32, (1, 4, 2, 17, 16, 16, 2))
+
+
+@pytest.mark.parametrize("d, page_size, msg", [(320, 16, "head_dim=320"), (16, 24, "page_size=24"),
+                                              (16, 8, "page_size=8")])
+def test_value_errors(d, page_size, msg):
+    q, k, v, kp, vp, _, _, table, _ = make_case(1, 2, 1, 3, d, page_size, 1, torch.float32)
+    with pytest.raises(ValueError, match=msg):
+        paged_attention_forward(q, k, v, LayerPages(kp, vp, None, None, table), SCALE)
+
+
+def test_value_error_dtype_mismatch():
+    q, k, v, kp, vp, _, _, table, _ = make_case(1, 2, 1, 3, 16, 16, 1, torch.float32)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_attention_forward(q, k, v, LayerPages(kp.half(), vp.half(), None, None, table), SCALE)
+
+
+# ---- GPU (pytest -m gpu) ----------------------------------------------------------------
+
+gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("case", CASES + [(1, 4, 4, 300, 64, 16, 3), (2, 8, 2, 257, 256, 32, 2),
+                                          (1, 6, 2, 97, 96, 64, 4), (1, 28, 4, 130, 128, 128, 2)],
+                         ids=lambda c: "B{}H{}kv{}C{}D{}P{}n{}".format(*c))
+def test_matches_reference_cuda(case, dtype):
+    run_case(*case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+def test_bf16_realistic_cuda():
+    """bf16 at the target shape: kernel error vs the fp32 reference <= 3x plain bf16 PyTorch's."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(1, 28, 4, 512, 128, 128, 16, torch.bfloat16, "cuda")
+    scale = 128 ** -0.5
+    # fp32 reference (reference.py computes in fp32) with fp32 copies of everything.
+    f32 = [x.float() for x in (q, k, v, kp, vp)]
+    pages32 = LayerPages(f32[3], f32[4], dk0.clone(), dv0.clone(), table)
+    leaves32 = [x.detach().clone().requires_grad_() for x in f32[:3]]
+    o32 = paged_attention_torch(*leaves32, pages32, scale)
+    o32.backward(do.float())
+    want = [o32.detach()] + [x.grad for x in leaves32] + [pages32.dk - dk0, pages32.dv - dv0]
+
+    # plain PyTorch bf16 attention (matmuls in bf16), gradients by autograd.
+    slots = table.long()
+    plain = [x.detach().requires_grad_() for x in (q, k, v, from_pages(kp[slots]), from_pages(vp[slots]))]
+    o_bf, _ = attend_plain(plain[0], torch.cat([plain[3], plain[1]], 2), torch.cat([plain[4], plain[2]], 2),
+                           plain[3].shape[2], scale, torch.bfloat16)
+    o_bf.backward(do)
+    plain_res = [o_bf.detach()] + [x.grad for x in plain[:3]] + [
+        scatter_pool(torch.zeros_like(dk0), table, plain[3].grad).float(),
+        scatter_pool(torch.zeros_like(dv0), table, plain[4].grad).float()]
+
+    pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table)
+    leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+    o = paged_attention_triton(*leaves, pages, scale)
+    o.backward(do)
+    got = [o.detach()] + [x.grad for x in leaves] + [pages.dk - dk0, pages.dv - dv0]
+    for name, g, p, w in zip(("o", "dq", "dk", "dv", "dk pool", "dv pool"), got, plain_res, want):
+        e_kernel = (g.float() - w).abs().max().item()
+        e_plain = (p.float() - w).abs().max().item()
+        assert e_kernel <= 3 * e_plain + 1e-6, f"{name}: kernel {e_kernel:.3g} > 3 x plain bf16 {e_plain:.3g}"
+
+
+@pytest.mark.gpu
+@gpu
+def test_deterministic_cuda():
+    backward_twice("cuda", torch.bfloat16, (1, 28, 4, 512, 128, 128, 16))

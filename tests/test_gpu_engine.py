@@ -1,0 +1,91 @@
+"""The engine on the GPU, bf16 (run with `pytest -m gpu` on the H200)."""
+import warnings
+
+import pytest
+import torch
+
+import oomb
+from tiny_models import rel_err
+
+pytestmark = pytest.mark.gpu
+# one page of Qwen2.5-7B shape: 4 KV heads x 128 tokens x 128 dims x (K, V bf16 + dK, dV fp32)
+PAGE_BYTES = 4 * 128 * 128 * (2 + 2 + 4 + 4)
+
+
+@pytest.fixture(scope="module")
+def wide_model():
+    """2 layers of Qwen2.5-7B width (hidden 3584, 28 heads, 4 KV heads, vocab 152K), bf16."""
+    from oomb.presets import load_model
+    torch.manual_seed(0)
+    model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2)
+    model.config._attn_implementation = "sdpa"
+    return model.train()
+
+
+def grads_of(model):
+    out = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def test_bf16_engine_matches_full_sequence_at_8k(wide_model):
+    ids = torch.randint(0, 152064, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    # Truth: transformers in fp32 (a copy of the same weights).
+    ref = {n: p.detach().float() for n, p in wide_model.named_parameters()}
+    with torch.device("cuda"):
+        fp32 = type(wide_model)(wide_model.config).float()
+    fp32.load_state_dict(ref)
+    fp32.config._attn_implementation = "sdpa"
+    loss32 = fp32(input_ids=ids, labels=ids).loss
+    loss32.backward()
+    truth = grads_of(fp32)
+    del fp32
+    # What plain transformers makes in bf16 against that truth.
+    loss_hf = wide_model(input_ids=ids, labels=ids).loss
+    loss_hf.backward()
+    hf = grads_of(wide_model)
+    engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=2048, page_size=128, backend="triton")
+    result = engine.forward_backward(ids)
+    ours = grads_of(wide_model)
+    assert abs(float(result.loss) - float(loss32)) <= 3 * abs(float(loss_hf) - float(loss32)) + 2e-3
+    for n in truth:
+        e_ours, e_hf = rel_err(ours[n], truth[n]), rel_err(hf[n], truth[n])
+        assert e_ours <= 3 * e_hf + 1e-3, f"{n}: oomb {e_ours:.2e} vs transformers bf16 {e_hf:.2e}"
+
+
+def test_deterministic_and_offload_identical(wide_model):
+    ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    runs = {}
+    for name, kwargs in [("none", {}), ("none again", {}), ("all", {"offload": "all"}),
+                         ("auto", {"offload": "auto", "gpu_page_budget_bytes": 40 * PAGE_BYTES})]:
+        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=3, **kwargs)
+        runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
+    # 6000 tokens, chunk 1024: 5 stored chunks x 8 pages = 40 pages a layer, so 'auto' keeps
+    # layer 0 on the GPU and layer 1 on the host.
+    loss0, g0 = runs["none"]
+    for name, (loss, g) in runs.items():
+        assert torch.equal(loss, loss0), name
+        for n in g0:
+            assert torch.equal(g[n], g0[n]), f"{name}: {n}"
+
+
+def test_no_host_sync_per_page(wide_model):
+    """Syncs per step must not grow with the number of pages or groups moved."""
+    engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=2, offload="all")
+    counts = {}
+    for length in (4096, 16384):
+        ids = torch.randint(0, 152064, (1, length), device="cuda")
+        engine.forward_backward(ids)  # warm-up at this size (allocations)
+        wide_model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                engine.forward_backward(ids)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        wide_model.zero_grad(set_to_none=True)
+        counts[length] = sum("synchroniz" in str(w.message) for w in caught)
+    # 16K: 12 more chunks, 2 x 8 pages more per layer and chunk, many more groups.
+    assert counts[16384] - counts[4096] <= 2 * 12, counts
