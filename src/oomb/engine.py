@@ -48,7 +48,7 @@ class ChunkRecurrentEngine:
 
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
                  backend: str = "auto", offload: str = "none", sparse=None,
-                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 512,
+                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -146,12 +146,16 @@ class ChunkRecurrentEngine:
         h = a.embed_tokens(ids)  # (B, C, hidden)
         cos, sin = a.rope(h, start)
         for i, layer in enumerate(a.layers):
+            attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
+            groups = self.store.page_groups(i, first_page)
+            if attend:
+                groups.prefetch(False)  # offloaded pages start moving while q/k/v are computed
             q, k, v = a.project_qkv(layer, h, cos, sin)
             if store:
                 self.store.write(i, first_page, k, v)
-            if i == a.n_layers - 1 and not full:
-                break  # later chunks read only this layer's K/V; its output feeds nothing
-            o = paged_attention(q, k, v, self.store.page_groups(i, first_page), a.scale, self.backend)
+            if not attend:
+                break
+            o = paged_attention(q, k, v, groups, a.scale, self.backend)
             h = a.finish_layer(layer, h, o)
         return h
 
@@ -164,12 +168,17 @@ class ChunkRecurrentEngine:
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start)
             for i, layer in enumerate(a.layers):
+                groups = self.store.page_groups(i, first_page)
+                groups.prefetch(False)
                 q, k, v = a.project_qkv(layer, h, cos, sin)
                 if not last:
                     # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                     k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
-                o = paged_attention(q, k, v, self.store.page_groups(i, first_page), a.scale, self.backend)
+                o = paged_attention(q, k, v, groups, a.scale, self.backend)
                 h = a.finish_layer(layer, h, o)
+                # The layer's backward starts when its output's gradient is ready: load its first
+                # group of pages (and their dK/dV) then, behind the MLP's backward.
+                h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)

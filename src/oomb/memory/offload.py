@@ -8,12 +8,16 @@ and a group's pages are each one contiguous range:
 GPU staging, two buffers (double buffering) of `group_pages` pages:
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
 
-Ordering is by CUDA events on one copy stream (FIFO), never by the host thread:
-  load group g+1 (copy stream)   while   attention on group g (compute stream)
-  copy stream waits `used[buf]` (compute done with the buffer) before it overwrites it;
-  compute waits `ready[buf]` (copy done) before it reads it;
-  dK/dV go back to the host right after a group's backward; K/V never go back (the host
-  copy written in stage 1 is never changed).
+Ordering is by CUDA events on two copy streams (host->GPU and GPU->host, so both directions
+run at once), never by the host thread:
+  load group g+1 (h2d stream)   while   attention on group g (compute stream)
+  h2d waits `used[buf]` (compute done with the buffer) and `stored[buf]` (its dK/dV are back
+  on the host) before it overwrites a buffer; compute waits `ready[buf]` before reading it;
+  dK/dV go back (d2h stream) right after a group's backward; K/V never go back (the host copy
+  written in stage 1 is never changed); a sweep's first load waits for the previous sweep's
+  write-backs.
+The first group of a layer is loaded ahead (`prefetch()`, called by the engine before the
+layer's projections in forward and when its backward starts), so it hides behind compute too.
 The first backward sweep of a layer zero-fills the staged dK/dV instead of loading them.
 On a CPU model the same code runs with plain memory and synchronous copies.
 """
@@ -31,12 +35,15 @@ class HostPages:
         self.device = torch.device(device)
         self.group_pages = group_pages
         self.cuda = self.device.type == "cuda"
-        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> GPU
+        self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
+        self.stored = [self._event(), self._event()]
+        self._prefetched: tuple | None = None  # (layer, with_grad, span) loading into buffer 0
         self.grads_live: set[int] = set()  # layers whose host dK/dV have been written this step
 
     # -- sizes ----------------------------------------------------------------------------
@@ -84,35 +91,14 @@ class HostPages:
 
     # -- reading: groups of pages on the device --------------------------------------------
 
-    def page_groups(self, layer: int, n_pages: int):
-        spans = [(s, min(s + self.group_pages, n_pages)) for s in range(0, n_pages, self.group_pages)]
-
-        def groups(with_grad: bool):
-            if not spans:
-                k, v, dk, dv = self.staging[0]
-                yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, self.table[:, :0])
-                return
-            zero_grads = with_grad and layer not in self.grads_live
-            self._load(0, layer, spans[0], with_grad, zero_grads)
-            for g, (start, end) in enumerate(spans):
-                buf = g % 2
-                if g + 1 < len(spans):  # prefetch the next group while this one is computed on
-                    self._load(1 - buf, layer, spans[g + 1], with_grad, zero_grads)
-                if self.cuda:
-                    torch.cuda.current_stream(self.device).wait_event(self.ready[buf])
-                k, v, dk, dv = self.staging[buf]
-                yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, self.table[:, : end - start])
-                if self.cuda:
-                    self.used[buf].record(torch.cuda.current_stream(self.device))
-                if with_grad:
-                    self._store_grads(buf, layer, (start, end))
-            if with_grad:
-                self.grads_live.add(layer)
-        return groups
+    def page_groups(self, layer: int, n_pages: int) -> "_HostGroups":
+        return _HostGroups(self, layer, n_pages)
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
         out = []
+        if self.cuda:
+            self.copy_stream.wait_stream(self.d2h_stream)  # the last write-back of these pages
         for host in self.arena[layer][2:]:
             with self._on_copy_stream(after_compute=False):
                 x = host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
@@ -133,6 +119,7 @@ class HostPages:
         with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
+                self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
             for i in range(4 if with_grad else 2):
                 dst = staged[i][:n]
                 if i >= 2 and zero_grads:
@@ -145,11 +132,14 @@ class HostPages:
     def _store_grads(self, buf: int, layer: int, span: tuple[int, int]) -> None:
         start, end = span
         n = (end - start) * self.batch
-        with self._on_copy_stream(after_compute=False):
+        stream = torch.cuda.stream(self.d2h_stream) if self.cuda else _NullContext()
+        with stream:
             if self.cuda:
-                self.copy_stream.wait_event(self.used[buf])
+                self.d2h_stream.wait_event(self.used[buf])
             for i in (2, 3):
                 self.arena[layer][i][start:end].flatten(0, 1).copy_(self.staging[buf][i][:n], non_blocking=True)
+            if self.cuda:
+                self.stored[buf].record(self.d2h_stream)
 
     def _on_copy_stream(self, after_compute: bool):
         if not self.cuda:
@@ -160,6 +150,58 @@ class HostPages:
 
     def _event(self):
         return torch.cuda.Event() if self.cuda else None
+
+
+class _HostGroups:
+    """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
+
+    def __init__(self, host: HostPages, layer: int, n_pages: int) -> None:
+        self.host, self.layer = host, layer
+        g = host.group_pages
+        self.spans = [(s, min(s + g, n_pages)) for s in range(0, n_pages, g)]
+
+    def prefetch(self, with_grad: bool) -> None:
+        """Start loading the first group now, so the load hides behind the compute before it."""
+        if self.spans and self.host._prefetched != self._key(with_grad):
+            self._begin(with_grad)
+            self.host._prefetched = self._key(with_grad)
+
+    def _key(self, with_grad: bool) -> tuple:
+        return self.layer, with_grad, self.spans[0]
+
+    def _begin(self, with_grad: bool) -> None:
+        host = self.host
+        if with_grad and host.cuda:
+            host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
+        host._load(0, self.layer, self.spans[0], with_grad, self._zero(with_grad))
+
+    def _zero(self, with_grad: bool) -> bool:
+        return with_grad and self.layer not in self.host.grads_live
+
+    def __call__(self, with_grad: bool):
+        host, layer, spans = self.host, self.layer, self.spans
+        if not spans:
+            k, v, dk, dv = host.staging[0]
+            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, :0])
+            return
+        if host._prefetched != self._key(with_grad):
+            self._begin(with_grad)
+        host._prefetched = None
+        zero_grads = self._zero(with_grad)
+        for g, (start, end) in enumerate(spans):
+            buf = g % 2
+            if g + 1 < len(spans):  # load the next group while this one is computed on
+                host._load(1 - buf, layer, spans[g + 1], with_grad, zero_grads)
+            if host.cuda:
+                torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
+            k, v, dk, dv = host.staging[buf]
+            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, : end - start])
+            if host.cuda:
+                host.used[buf].record(torch.cuda.current_stream(host.device))
+            if with_grad:
+                host._store_grads(buf, layer, (start, end))
+        if with_grad:
+            host.grads_live.add(layer)
 
 
 class _NullContext:

@@ -21,7 +21,7 @@ from .spec import LayerPages, PageSpec
 
 
 class PagedKVStore:
-    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 512) -> None:
+    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128) -> None:
         self.spec = spec
         self.n_layers = n_layers
         self.device = torch.device(device)
@@ -108,13 +108,7 @@ class PagedKVStore:
         callable that yields them `group_pages` at a time (see attention/function.py)."""
         if layer not in self._row:
             return self.host.page_groups(layer, n_pages)
-        table = self.table[self._row[layer], :, :n_pages]  # (B, n_pages)
-
-        def groups(with_grad: bool):
-            dk, dv = (self.dk, self.dv) if with_grad else (None, None)
-            for start in range(0, max(n_pages, 1), self.group_pages):
-                yield LayerPages(self.k, self.v, dk, dv, table[:, start : start + self.group_pages])
-        return groups
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages])
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
@@ -122,6 +116,22 @@ class PagedKVStore:
             return self.host.chunk_grads(layer, first_page, n_pages)
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()
         return from_pages(self.dk[slots]), from_pages(self.dv[slots])
+
+
+class _PoolGroups:
+    """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
+
+    def __init__(self, store: PagedKVStore, table: torch.Tensor) -> None:
+        self.store, self.table = store, table  # table (B, n_pages)
+
+    def prefetch(self, with_grad: bool) -> None:
+        pass  # already on the device
+
+    def __call__(self, with_grad: bool):
+        s, n_pages = self.store, self.table.shape[1]
+        dk, dv = (s.dk, s.dv) if with_grad else (None, None)
+        for start in range(0, max(n_pages, 1), s.group_pages):
+            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages])
 
 
 def to_pages(x: torch.Tensor, n_pages: int) -> torch.Tensor:

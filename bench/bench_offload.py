@@ -1,0 +1,72 @@
+"""Offload modes side by side on one Qwen2.5-7B-shaped model (random bf16 weights), one
+process: step time and peak GPU memory of offload 'none' / 'all' / 'auto', and whether each
+mode's gradients are bitwise equal to 'none' at the same length.
+
+    python bench/bench_offload.py --modes none,all --lengths 128K
+
+Rows go to --out (bench/results/step.jsonl: the step table shows them as oomb / oomb-all).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_results, run_info  # noqa: E402
+
+import oomb  # noqa: E402
+from oomb.cli import parse_tokens  # noqa: E402
+from oomb.presets import load_model  # noqa: E402
+
+IMPL = {"none": "oomb", "all": "oomb-all", "auto": "oomb-auto"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--modes", default="none,all")
+    ap.add_argument("--lengths", default="128K")
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_offload.py needs a CUDA GPU")
+    info = run_info()
+    torch.manual_seed(0)
+    model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=args.layers).train()
+    engines = {m: oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=m, backend="triton")
+               for m in args.modes.split(",")}
+    warm = torch.randint(0, model.config.vocab_size, (1, 8192), device="cuda")
+    for engine in engines.values():
+        engine.forward_backward(warm)  # compile kernels, allocate grads, pin the arena's first size
+    for length in [parse_tokens(x) for x in args.lengths.split(",")]:
+        ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda")
+        reference = None
+        for mode, engine in engines.items():
+            model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            loss = float(engine.forward_backward(ids).loss)
+            torch.cuda.synchronize()
+            dt = time.perf_counter() - t0
+            grads = [p.grad for p in model.parameters()]
+            row = {"bench": "step", "impl": IMPL[mode], "seq_len": length, "layers": args.layers,
+                   "chunk_size": args.chunk_size, "ok": True, "step_s": round(dt, 2), "tok_s": round(length / dt, 1),
+                   "loss": round(loss, 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
+            if reference is None:
+                reference = [g.to("cpu") for g in grads]
+            else:
+                row["grads_equal_first_mode"] = all(torch.equal(g.cpu(), r) for g, r in zip(grads, reference))
+            row.update(info)
+            print(json.dumps(row), flush=True)
+            append_results(args.out, [row])
+
+
+if __name__ == "__main__":
+    main()
