@@ -41,10 +41,12 @@ def main() -> None:
     model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=args.layers).train()
     engines = {m: oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=m, backend="triton")
                for m in args.modes.split(",")}
+    lengths = [parse_tokens(x) for x in args.lengths.split(",")]
     warm = torch.randint(0, model.config.vocab_size, (1, 8192), device="cuda")
     for engine in engines.values():
-        engine.forward_backward(warm)  # compile kernels, allocate grads, pin the arena's first size
-    for length in [parse_tokens(x) for x in args.lengths.split(",")]:
+        engine.forward_backward(warm)  # compile kernels, allocate grads
+        engine.reserve(1, max(lengths))  # pool and pinned arena once, as a training run would
+    for length in lengths:
         ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda")
         reference = None
         for mode, engine in engines.items():

@@ -48,3 +48,14 @@ def test_host_arena_is_reused_across_steps():
     arena = engine.store.host.arena[0][0]
     engine.forward_backward(torch.randint(0, 97, (1, 150)))  # shorter: same arena
     assert engine.store.host.arena[0][0] is arena
+
+
+def test_reserve_allocates_up_front():
+    model = make_model("qwen2", layers=2)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto",
+                                       gpu_page_budget_bytes=2 * 12 * 16 * 256)  # one layer's pages
+    engine.reserve(2, 200)  # 7 chunks: 6 stored x 2 pages a sequence and layer
+    slots, arena = engine.store.pool.n_slots, engine.store.host.arena[1][0]
+    assert slots == 1 * 2 * 12 and arena.shape[:2] == (12, 2)
+    engine.forward_backward(torch.randint(0, 97, (2, 200)))
+    assert engine.store.pool.n_slots == slots and engine.store.host.arena[1][0] is arena
