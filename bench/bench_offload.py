@@ -39,36 +39,37 @@ def main() -> None:
     info = run_info()
     torch.manual_seed(0)
     model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=args.layers).train()
-    engines = {m: oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=m, backend="triton")
-               for m in args.modes.split(",")}
     lengths = [parse_tokens(x) for x in args.lengths.split(",")]
     warm = torch.randint(0, model.config.vocab_size, (1, 8192), device="cuda")
-    for engine in engines.values():
+    inputs = {n: torch.randint(0, model.config.vocab_size, (1, n), device="cuda") for n in lengths}
+    reference = {}  # length -> the first mode's gradients, on the host
+    for mode in args.modes.split(","):
+        # One engine at a time, so a mode's peak memory holds only its own pool.
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=mode, backend="triton")
         engine.forward_backward(warm)  # compile kernels, allocate grads
         engine.reserve(1, max(lengths))  # pool and pinned arena once, as a training run would
-    for length in lengths:
-        ids = torch.randint(0, model.config.vocab_size, (1, length), device="cuda")
-        reference = None
-        for mode, engine in engines.items():
+        for length in lengths:
             model.zero_grad(set_to_none=True)
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             t0 = time.perf_counter()
-            loss = float(engine.forward_backward(ids).loss)
+            loss = float(engine.forward_backward(inputs[length]).loss)
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
-            grads = [p.grad for p in model.parameters()]
             row = {"bench": "step", "impl": IMPL[mode], "seq_len": length, "layers": args.layers,
                    "chunk_size": args.chunk_size, "ok": True, "step_s": round(dt, 2), "tok_s": round(length / dt, 1),
                    "loss": round(loss, 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
-            if reference is None:
-                reference = [g.to("cpu") for g in grads]
+            grads = [p.grad for p in model.parameters()]
+            if length not in reference:
+                reference[length] = [g.to("cpu") for g in grads]
             else:
-                row["grads_equal_first_mode"] = all(torch.equal(g.cpu(), r) for g, r in zip(grads, reference))
+                row["grads_equal_first_mode"] = all(torch.equal(g.cpu(), r) for g, r in zip(grads, reference[length]))
             row.update(info)
             print(json.dumps(row), flush=True)
             append_results(args.out, [row])
-
+        del engine
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
 
 if __name__ == "__main__":
     main()

@@ -50,7 +50,8 @@ def step_table(rows: list[dict]) -> str:
                 if r is None:
                     cells += ["", ""]
                 elif r.get("ok"):
-                    cells += [f"{r['tok_s']:,.0f}", f"{r['peak_gib']:.1f}"]
+                    peak = "n/a" if r.get("peak_note") else f"{r['peak_gib']:.1f}"
+                    cells += [f"{r['tok_s']:,.0f}", peak]
                 else:
                     cells += ["OOM" if "memory" in r.get("error", "").lower() else "failed", ""]
             out.append(f"| {_k(n)} | " + " | ".join(cells) + " |")
