@@ -32,6 +32,11 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     assert len(losses) == 1
 
 
+def test_offload_all_with_bf16_gradient_pages_trains():
+    losses = train(TrainConfig(**SMALL, offload="all", kv_grad_dtype="bfloat16"))
+    assert len(losses) == 3 and all(x == x for x in losses)
+
+
 def test_resume_from_a_non_checkpoint_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError, match="is not a checkpoint directory"):
         train(TrainConfig(**SMALL, resume=str(tmp_path)))

@@ -259,8 +259,11 @@ def _paged_attn_bwd_dkdv_pages(
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
     g_mask = mask_d[None, :]
-    tl.store(DKP + g_offs, tl.load(DKP + g_offs, mask=g_mask, other=0.0) + dk, mask=g_mask)
-    tl.store(DVP + g_offs, tl.load(DVP + g_offs, mask=g_mask, other=0.0) + dv, mask=g_mask)
+    # Accumulate in fp32, store in the pool's dtype (fp32, or bf16 pages: kv_grad_dtype).
+    dk += tl.load(DKP + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+    dv += tl.load(DVP + g_offs, mask=g_mask, other=0.0).to(tl.float32)
+    tl.store(DKP + g_offs, dk.to(DKP.dtype.element_ty), mask=g_mask)
+    tl.store(DVP + g_offs, dv.to(DVP.dtype.element_ty), mask=g_mask)
 
 
 @triton.jit

@@ -19,6 +19,8 @@ class TrainConfig:
     chunk_size: int = 1024
     page_size: int = 128
     backend: str = "auto"  # auto | torch | triton
+    offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
+    kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
@@ -39,6 +41,8 @@ class TrainConfig:
                 raise ValueError(f"{name}={value} must be >= {low}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        if self.kv_grad_dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be float32 or bfloat16")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 

@@ -54,7 +54,9 @@ def train(cfg: TrainConfig) -> list[float]:
     torch.manual_seed(cfg.seed)
     device = resolve_device(cfg.device)
     model = build_model(cfg, device)
-    engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend)
+    engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
+                                  offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype))
+    engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     vocab = engine.adapter.vocab_size
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -64,8 +66,8 @@ def train(cfg: TrainConfig) -> list[float]:
 
     n_params = sum(p.numel() for p in params)
     print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) on {device}, "
-          f"backend {engine.backend}, {cfg.batch} x {cfg.seq_len:,} tokens a step, chunk {cfg.chunk_size}, "
-          f"page {cfg.page_size}, {cfg.steps} steps", flush=True)
+          f"backend {engine.backend}, offload {cfg.offload}, {cfg.batch} x {cfg.seq_len:,} tokens a step, "
+          f"chunk {cfg.chunk_size}, page {cfg.page_size}, {cfg.steps} steps", flush=True)
     logger = StepLogger(cfg.steps, device)
     losses = []
     while step < cfg.steps:
