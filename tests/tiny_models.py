@@ -14,6 +14,10 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2)
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,
                           tie_word_embeddings=False, **common)
         cls = Qwen2ForCausalLM
+    elif family == "qwen2_tp":  # 4 query heads, 2 KV heads: splits over 2 ranks
+        cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                          tie_word_embeddings=False, **common)
+        cls = Qwen2ForCausalLM
     elif family == "llama":  # tied embeddings, llama3 RoPE scaling
         cfg = LlamaConfig(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                           tie_word_embeddings=True,

@@ -74,7 +74,7 @@ class ChunkRecurrentEngine:
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
-        self.spec = PageSpec(page_size, self.adapter.n_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
+        self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages)
 
     # -- the step -----------------------------------------------------------------------------

@@ -45,6 +45,15 @@ class DecoderAdapter:
     def n_layers(self) -> int:
         return len(self.layers)
 
+    @property
+    def local_kv_heads(self) -> int:
+        """KV heads this process computes: all of them, or its share under tensor parallelism
+        (read off k_proj's local weight, so it holds however the model was split)."""
+        proj = self.layers[0].self_attn.k_proj
+        weight = getattr(proj, "base_layer", proj).weight
+        rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
+        return rows // self.head_dim
+
     def check_config(self, cfg) -> None:
         """Reject configs whose attention oomb does not compute (raise ValueError)."""
         layer_types = getattr(cfg, "layer_types", None) or []

@@ -2,7 +2,7 @@
 
     <output_dir>/step-000040/
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
-        optimizer.pt        optimizer and scheduler state
+        optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP)
         trainer.json        step, config
 """
 from __future__ import annotations
@@ -14,25 +14,55 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    """Whole trainable tensors (tensor-parallel shards gathered: every rank must call this)."""
+    return {n: _full(p.detach()).contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config) -> Path:
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
+    """Every rank calls this (parameters are gathered); the rank with `write` writes the model.
+
+    Under tensor parallelism each rank writes its own optimizer state (`optimizer-rank{r}.pt`).
+    """
     final = Path(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(trainable_state(model), tmp / "model.safetensors")
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)  # atomic: a reader sees the old checkpoint or the new one, never half
+    state = trainable_state(model)
+    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    if write:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()  # the temporary directory exists before any rank writes into it
+    if write:
+        save_file(state, tmp / "model.safetensors")
+        (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
+    if sharded or write:
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                   tmp / _optimizer_file(sharded))
+    _barrier()
+    if write:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)  # atomic: a reader sees the old checkpoint or the new one, never half
+    _barrier()
     return final
+
+
+def _optimizer_file(sharded: bool) -> str:
+    return f"optimizer-rank{dist.get_rank()}.pt" if sharded else "optimizer.pt"
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def load(path: str | Path, model, optimizer, scheduler) -> int:
@@ -48,8 +78,13 @@ def load(path: str | Path, model, optimizer, scheduler) -> int:
                          "was it written with the same model and LoRA settings?")
     with torch.no_grad():
         for name, tensor in state.items():
-            params[name].copy_(tensor)
-    opt = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True)
+            p = params[name]
+            if isinstance(p, DTensor):  # take this rank's shard of the whole tensor
+                tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
+            p.copy_(tensor)
+    sharded = any(isinstance(p, DTensor) for p in params.values())
+    # DTensor optimizer state is not a plain tensor: it loads only with full unpickling.
+    opt = torch.load(path / _optimizer_file(sharded), map_location="cpu", weights_only=not sharded)
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     return json.loads((path / "trainer.json").read_text())["step"]

@@ -23,6 +23,7 @@ class TrainConfig:
     kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
+    tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
     output_dir: str = ""  # where checkpoints go; empty: none are written
@@ -34,7 +35,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("steps", self.steps, 1),
                   ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
-                  ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0),
+                  ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
                   ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0)]
         for name, value, low in checks:
             if value < low:

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from ..engine import ChunkRecurrentEngine
+from ..parallel import all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count, init_distributed
 from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
@@ -50,10 +53,24 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def train(cfg: TrainConfig) -> list[float]:
-    """Run cfg.steps optimizer steps; returns the loss of every step."""
+    """Run cfg.steps optimizer steps; returns the loss of every step.
+
+    Under torchrun (WORLD_SIZE > 1) the ranks form a (data-parallel, tensor-parallel) mesh:
+    `cfg.tp` ranks share each sequence, the rest each take their own; rank 0 logs and saves.
+    """
     torch.manual_seed(cfg.seed)
-    device = resolve_device(cfg.device)
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if cfg.tp > 1 and not distributed:
+        raise ValueError(f"tp={cfg.tp} needs {cfg.tp} processes: launch with torchrun --nproc-per-node {cfg.tp} ...")
+    mesh = init_distributed(cfg.tp) if distributed else None
+    dp_group = mesh["dp"].get_group() if mesh is not None else None
+    dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
+    rank0 = not distributed or dist.get_rank() == 0
+    device = torch.device("cuda", torch.cuda.current_device()) if distributed and torch.cuda.is_available() \
+        else resolve_device("cpu" if distributed else cfg.device)
     model = build_model(cfg, device)
+    if mesh is not None and cfg.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype))
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
@@ -62,13 +79,20 @@ def train(cfg: TrainConfig) -> list[float]:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
-    data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + step)
+    # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own.
+    data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank)
+    for _ in range(step):  # a resumed run sees the batches it would have seen
+        next(data)
 
     n_params = sum(p.numel() for p in params)
-    print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) on {device}, "
-          f"backend {engine.backend}, offload {cfg.offload}, {cfg.batch} x {cfg.seq_len:,} tokens a step, "
-          f"chunk {cfg.chunk_size}, page {cfg.page_size}, {cfg.steps} steps", flush=True)
+    if rank0:
+        layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
+        print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
+              f"on {device}{layout}, backend {engine.backend}, offload {cfg.offload}, "
+              f"{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
+              f"chunk {cfg.chunk_size}, page {cfg.page_size}, {cfg.steps} steps", flush=True)
     logger = StepLogger(cfg.steps, device)
+    tp_group = mesh["tp"].get_group() if mesh is not None else None
     losses = []
     while step < cfg.steps:
         input_ids, labels = next(data)
@@ -76,21 +100,30 @@ def train(cfg: TrainConfig) -> list[float]:
             raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size={vocab}; "
                              "the data was tokenised for another model")
         t0 = time.perf_counter()
-        result = engine.forward_backward(input_ids, labels)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip))
+        count = global_token_count(labels, dp_group)
+        result = engine.forward_backward(input_ids, labels, num_tokens=count)
+        all_reduce_gradients(model, dp_group)
+        grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step += 1
-        loss = float(result.loss)
+        loss_t = result.loss.clone()
+        if distributed:
+            dist.all_reduce(loss_t, group=dp_group)  # each rank's CE sum / the global count
+        loss = float(loss_t)
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr (now {cfg.lr}) or check the data")
         losses.append(loss)
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            logger.log(step, loss, input_ids.numel(), time.perf_counter() - t0, scheduler.get_last_lr()[0], grad_norm)
+        if rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
+            logger.log(step, loss, input_ids.numel() * dp_size, time.perf_counter() - t0,
+                       scheduler.get_last_lr()[0], grad_norm)
         if cfg.output_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg)
-            print(f"saved {path}", flush=True)
+            path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
+            if rank0:
+                print(f"saved {path}", flush=True)
+    if distributed:
+        dist.destroy_process_group()
     return losses

@@ -1,0 +1,109 @@
+"""Several GPUs on torch.distributed: data parallel (each rank its own sequences) and tensor
+parallel (DTensor: attention heads and MLP columns split across ranks).
+
+The engine is written for one device; parallelism is applied to the model afterwards, in
+this one place (torchtitan's order: tensor parallel first, then data parallel):
+
+  - tensor parallel: q/k/v/gate/up projections column-parallel, o/down row-parallel, so each
+    rank computes its own query and KV heads and keeps the pages of its own KV heads (page
+    memory and transfers divide by the TP degree). DTensor inserts every collective, including
+    the all-reduce of the gradient that flows into the column-parallel inputs (the norms and
+    the residual stream): the one hand-written TP code tends to miss.
+  - data parallel: each rank runs its own sequences, the loss is normalised by the global token
+    count, and gradients are summed across ranks once per step (bucketed all-reduce, as DDP
+    does; DDP's module wrapper does not fit an engine that calls backward once per chunk).
+
+Launch: `torchrun --nproc-per-node N -m oomb.cli train --tp T ...` (README).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from .models import adapter_for
+
+def init_distributed(tp: int = 1) -> DeviceMesh:
+    """Process group from torchrun's environment and a (dp, tp) mesh over all ranks."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world % tp:
+        raise ValueError(f"--tp {tp} does not divide the {world} processes; use a divisor of {world}")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return init_device_mesh("cuda" if cuda else "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Split every decoder layer's attention heads and MLP columns over `tp_mesh` (in place)."""
+    adapter = adapter_for(model)
+    size = tp_mesh.size()
+    for name, count in (("num_attention_heads", adapter.n_heads), ("num_key_value_heads", adapter.n_kv_heads)):
+        if count % size:
+            raise ValueError(f"{name}={count} is not divisible by the tensor-parallel degree {size}; "
+                             f"use a degree that divides {count}")
+    for layer in adapter.layers:
+        plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
+        plan["self_attn.o_proj"] = RowwiseParallel()
+        plan.update({f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+        plan["mlp.down_proj"] = RowwiseParallel()
+        parallelize_module(layer, tp_mesh, plan)
+
+
+def global_token_count(labels: torch.Tensor, dp_group=None) -> int:
+    """Predicted tokens over every data-parallel rank (the loss's denominator)."""
+    count = (labels[:, 1:] != -100).sum().reshape(1).to(torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(count, group=dp_group)
+    return int(count)
+
+
+def all_reduce_gradients(model: nn.Module, dp_group=None, bucket_bytes: int = 256 * 2**20) -> None:
+    """Sum every gradient over the data-parallel ranks, a flat bucket of tensors at a time."""
+    if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
+        return
+    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    bucket, size = [], 0
+    for g in grads + [None]:
+        if g is not None and (not bucket or (g.dtype == bucket[0].dtype and size < bucket_bytes)):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            continue
+        if bucket:
+            flat = torch.cat([x.reshape(-1) for x in bucket])
+            dist.all_reduce(flat, group=dp_group)
+            offset = 0
+            for x in bucket:
+                x.copy_(flat[offset : offset + x.numel()].view_as(x))
+                offset += x.numel()
+        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, tp_group=None) -> float:
+    """torch.nn.utils.clip_grad_norm_ for a mix of tensor-parallel (sharded DTensor) and
+    replicated gradients: shards' squares are summed over the TP group, replicas counted once."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    sharded = [g for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
+    replicated = [g for g in grads if not any(g is s for s in sharded)]
+    device = _local(grads[0]).device
+    sq_sharded = sum((_local(g).float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
+    dist.all_reduce(sq_sharded, group=tp_group)
+    sq = sq_sharded + sum((_local(g).float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    norm = sq.sqrt()
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        _local(g).mul_(coef.to(g.dtype))
+    return float(norm)
