@@ -3,8 +3,9 @@
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=4096, page_size=128)
     result = engine.forward_backward(input_ids, labels)   # grads accumulated in .grad
 """
+from .attention.sparse import TopKPages
 from .engine import ChunkRecurrentEngine, StepResult
 from .memory.spec import PageSpec
 
-__all__ = ["ChunkRecurrentEngine", "PageSpec", "StepResult"]
+__all__ = ["ChunkRecurrentEngine", "PageSpec", "StepResult", "TopKPages"]
 __version__ = "0.1.0"

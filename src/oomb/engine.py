@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from .attention import paged_attention, resolve_backend
+from .attention.sparse import TopKPages, select_pages
 from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
 from .memory.spec import PageSpec
 from .memory.offload import available_host_bytes
@@ -60,8 +61,8 @@ class ChunkRecurrentEngine:
             )
         if offload not in OFFLOAD_MODES:
             raise ValueError(f"offload={offload!r} is not one of {OFFLOAD_MODES}")
-        if sparse is not None:
-            raise ValueError(f"sparse={sparse!r} is not implemented yet in this version; use sparse=None (dense)")
+        if sparse is not None and not isinstance(sparse, TopKPages):
+            raise ValueError(f"sparse={sparse!r} must be None (dense) or oomb.TopKPages(budget=...)")
         if kv_grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32 or torch.bfloat16")
         self.model = model
@@ -74,8 +75,14 @@ class ChunkRecurrentEngine:
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
+        if sparse is not None and self.backend != "torch":
+            raise ValueError(f"sparse attention runs on backend='torch' only in this version (got backend={backend!r}); "
+                             "the Triton kernels are dense")
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
-        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages)
+        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
+                                  sparse.representative if sparse is not None else None)
+        # Sparse: (chunk, layer) -> (B, Hkv, n_blocks, budget) pages, chosen once, used by both stages
+        self._selection: dict[tuple[int, int], torch.Tensor] = {}
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -153,10 +160,7 @@ class ChunkRecurrentEngine:
         cos, sin = a.rope(h, start)
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
-            groups = self.store.page_groups(i, first_page)
-            if attend:
-                groups.prefetch(False)  # offloaded pages start moving while q/k/v are computed
-            q, k, v = a.project_qkv(layer, h, cos, sin)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend)
             if store:
                 self.store.write(i, first_page, k, v)
             if not attend:
@@ -174,9 +178,7 @@ class ChunkRecurrentEngine:
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start)
             for i, layer in enumerate(a.layers):
-                groups = self.store.page_groups(i, first_page)
-                groups.prefetch(False)
-                q, k, v = a.project_qkv(layer, h, cos, sin)
+                q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
                 if not last:
                     # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                     k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
@@ -190,9 +192,29 @@ class ChunkRecurrentEngine:
             h.backward(grad_h)
         return ce_sum
 
+    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool):
+        """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads.
+
+        Dense: the groups are known first, so offloaded pages start moving while q/k/v are
+        computed. Sparse: the pages depend on q; each (chunk, layer) selects once (the first
+        pass that sees it: stage 1, or stage 2 for the last chunk) and keeps its selection.
+        """
+        groups = self.store.page_groups(i, n_pages) if self.sparse is None else None
+        if groups is not None and prefetch:
+            groups.prefetch(False)
+        q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
+        if groups is None:
+            if (c, i) not in self._selection:
+                self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+            groups = self.store.page_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+            if prefetch:
+                groups.prefetch(False)
+        return q, k, v, groups
+
     # -- memory: placement and accounting, before anything of the step is computed ---------
 
     def _begin_step(self, batch: int, max_pages: int) -> None:
+        self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
         layer_bytes = batch * max_pages * self.spec.page_bytes  # one layer's pages for the step
         n_layers = self.adapter.n_layers
         if self.offload == "none":

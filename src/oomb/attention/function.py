@@ -17,7 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from ..memory.store import LayerPages
+from ..memory.spec import LayerPages
 
 #: yields the groups of a layer's earlier pages on the compute device, at least one (which may
 #: hold no page); with_grad=True also brings their dK/dV and writes them back after each group

@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..memory.store import LayerPages
+from ..memory.spec import LayerPages
 
 LN2 = math.log(2.0)
 RCP_LN2 = 1.0 / LN2
@@ -546,6 +546,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
 def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):
     """One group's (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log); see reference.forward."""
+    assert pages.selection is None, "the Triton kernels are dense; the engine rejects sparse + triton"
     o, lse2 = _forward(q, k, v, pages, scale, include_self, o_dtype=torch.float32)
     return o, lse2 * LN2  # log2-sum-exp2 -> natural log
 

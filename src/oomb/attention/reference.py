@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..memory.store import LayerPages, from_pages, to_pages
+from ..memory.spec import LayerPages
+from ..memory.store import from_pages, to_pages
+from .sparse import selection_mask
 
 
 def gather_pages(pages: LayerPages) -> tuple[torch.Tensor, torch.Tensor]:
@@ -27,12 +29,17 @@ def _keys(k, v, pages: LayerPages, include_self: bool):
     return kp, vp, None
 
 
-def _scores(q, keys, n_prev, scale):
-    """fp32 scores (B, Hkv, G*C, N) with the causal mask applied to the chunk's own keys."""
+def _scores(q, keys, n_prev, scale, pages: LayerPages):
+    """fp32 scores (B, Hkv, G*C, N) with the causal mask applied to the chunk's own keys and,
+    for sparse attention, the pages a query's block did not select masked out."""
     b, h, c, d = q.shape
     n_kv, n = keys.shape[1], keys.shape[2]
     qg = q.float().reshape(b, n_kv, (h // n_kv) * c, d)  # (B, Hkv, G*C, D)
     s = torch.matmul(qg, keys.float().transpose(-1, -2)) * scale
+    if pages.selection is not None and pages.n_pages > 0:
+        visible = selection_mask(pages, c).repeat(1, 1, h // n_kv, 1)  # (B, Hkv, G*C, n*P)
+        n_paged = visible.shape[-1]
+        s[..., :n_paged] = s[..., :n_paged].masked_fill(~visible, float("-inf"))
     if n_prev is not None:
         qpos = torch.arange(c, device=q.device).repeat(h // n_kv) + n_prev  # (G*C,)
         s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
@@ -47,9 +54,10 @@ def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True)
     """
     b, h, c, d = q.shape
     keys, values, n_prev = _keys(k, v, pages, include_self)
-    s = _scores(q, keys, n_prev, scale)  # (B, Hkv, G*C, N)
+    s = _scores(q, keys, n_prev, scale, pages)  # (B, Hkv, G*C, N)
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
-    o = torch.matmul(torch.exp(s - lse), values.float())
+    # A sparse group may leave a query nothing to see: its lse is -inf and its o must be 0.
+    o = torch.matmul(torch.exp(s - lse.nan_to_num(neginf=0.0)), values.float())
     return o.reshape(b, h, c, d), lse.reshape(b, h, c)
 
 
@@ -65,7 +73,7 @@ def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self:
     b, h, c, d = q.shape
     n_kv = k.shape[1]
     keys, values, n_prev = _keys(k, v, pages, include_self)
-    s = _scores(q, keys, n_prev, scale)  # (B, Hkv, G*C, N)
+    s = _scores(q, keys, n_prev, scale, pages)  # (B, Hkv, G*C, N)
     p = torch.exp(s - lse.reshape(b, n_kv, -1, 1))
     dog = do.float().reshape(b, n_kv, -1, d)  # (B, Hkv, G*C, D)
     delta = (o.float().reshape(b, n_kv, -1, d) * dog).sum(-1, keepdim=True)

@@ -91,8 +91,8 @@ class HostPages:
 
     # -- reading: groups of pages on the device --------------------------------------------
 
-    def page_groups(self, layer: int, n_pages: int) -> "_HostGroups":
-        return _HostGroups(self, layer, n_pages)
+    def page_groups(self, layer: int, n_pages: int, sparse: dict) -> "_HostGroups":
+        return _HostGroups(self, layer, n_pages, sparse)
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
@@ -155,8 +155,8 @@ class HostPages:
 class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
-    def __init__(self, host: HostPages, layer: int, n_pages: int) -> None:
-        self.host, self.layer = host, layer
+    def __init__(self, host: HostPages, layer: int, n_pages: int, sparse: dict) -> None:
+        self.host, self.layer, self.sparse = host, layer, sparse
         g = host.group_pages
         self.spans = [(s, min(s + g, n_pages)) for s in range(0, n_pages, g)]
 
@@ -182,7 +182,8 @@ class _HostGroups:
         host, layer, spans = self.host, self.layer, self.spans
         if not spans:
             k, v, dk, dv = host.staging[0]
-            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, :0])
+            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, :0],
+                             0, **self.sparse)
             return
         if host._prefetched != self._key(with_grad):
             self._begin(with_grad)
@@ -195,7 +196,8 @@ class _HostGroups:
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
             k, v, dk, dv = host.staging[buf]
-            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, : end - start])
+            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, : end - start],
+                             start, **self.sparse)
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:

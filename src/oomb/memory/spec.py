@@ -61,6 +61,11 @@ class LayerPages(NamedTuple):
     dk: torch.Tensor | None  # (n_slots, Hkv, P, D) fp32, or None when no gradient is wanted
     dv: torch.Tensor | None
     table: torch.Tensor  # (B, n_pages) int32: slots of the earlier pages, in position order
+    first_page: int = 0  # logical index of table[:, 0] (groups after the first start later)
+    # Sparse attention (attention/sparse.py): logical pages each block of `block_queries`
+    # queries attends, (B, Hkv, n_blocks, budget) int32, or None for dense.
+    selection: torch.Tensor | None = None
+    block_queries: int = 0
 
     @property
     def n_pages(self) -> int:

@@ -15,14 +15,20 @@ from __future__ import annotations
 
 import torch
 
+from ..attention.sparse import page_representatives
 from .offload import HostPages
 from .pool import PagePool
 from .spec import LayerPages, PageSpec
 
 
 class PagedKVStore:
-    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128) -> None:
+    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128,
+                 representative: str | None = None) -> None:
         self.spec = spec
+        # Sparse attention: one representative per page and KV head, kept on the device for
+        # every layer (a few KiB a page), logically indexed: (layers, B, max_pages, Hkv, R, D).
+        self.representative = representative
+        self.reps = None
         self.n_layers = n_layers
         self.device = torch.device(device)
         self.group_pages = group_pages  # pages attended per kernel call (and moved per transfer)
@@ -63,6 +69,11 @@ class PagedKVStore:
         if self.table.shape != (len(self._row), batch, max_pages):
             self.table = torch.full((len(self._row), batch, max_pages), -1, dtype=torch.int32, device=self.device)
         self.host.begin_step(batch, max_pages)
+        if self.representative is not None:
+            r = 2 if self.representative == "minmax" else 1
+            shape = (self.n_layers, batch, max_pages, self.spec.n_kv_heads, r, self.spec.head_dim)
+            if self.reps is None or self.reps.shape[1] != batch or self.reps.shape[2] < max_pages:
+                self.reps = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
 
     def device_bytes(self, batch: int, max_pages: int, n_device_layers: int) -> int:
         """Device bytes of the pool for a step, plus the host layers' staging buffers."""
@@ -94,21 +105,29 @@ class PagedKVStore:
         k, v: (B, Hkv, n_pages * P, D), the chunk's tokens starting at page `first_page`.
         """
         assert k.shape[2] % self.spec.page_size == 0, "only whole pages are stored"
+        n_pages = k.shape[2] // self.spec.page_size
+        if self.representative is not None:
+            self.reps[layer, :, first_page : first_page + n_pages] = page_representatives(k, n_pages, self.representative)
         if layer not in self._row:
             return self.host.write(layer, first_page, k, v)
-        n_pages = k.shape[2] // self.spec.page_size
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
         self.k[slots] = to_pages(k, n_pages)
         self.v[slots] = to_pages(v, n_pages)
         self.dk[slots] = 0
         self.dv[slots] = 0
 
-    def page_groups(self, layer: int, n_pages: int):
+    def page_groups(self, layer: int, n_pages: int, selection: torch.Tensor | None = None, block_queries: int = 0):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
-        callable that yields them `group_pages` at a time (see attention/function.py)."""
+        callable that yields them `group_pages` at a time (see attention/function.py);
+        `selection` restricts each query block to its pages (sparse attention)."""
+        sparse = {"selection": selection, "block_queries": block_queries}
         if layer not in self._row:
-            return self.host.page_groups(layer, n_pages)
-        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages])
+            return self.host.page_groups(layer, n_pages, sparse)
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], sparse)
+
+    def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
+        """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
+        return self.reps[layer, :, :n_pages]
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
@@ -121,8 +140,8 @@ class PagedKVStore:
 class _PoolGroups:
     """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
 
-    def __init__(self, store: PagedKVStore, table: torch.Tensor) -> None:
-        self.store, self.table = store, table  # table (B, n_pages)
+    def __init__(self, store: PagedKVStore, table: torch.Tensor, sparse: dict) -> None:
+        self.store, self.table, self.sparse = store, table, sparse  # table (B, n_pages)
 
     def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
@@ -131,7 +150,7 @@ class _PoolGroups:
         s, n_pages = self.store, self.table.shape[1]
         dk, dv = (s.dk, s.dv) if with_grad else (None, None)
         for start in range(0, max(n_pages, 1), s.group_pages):
-            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages])
+            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages], start, **self.sparse)
 
 
 def to_pages(x: torch.Tensor, n_pages: int) -> torch.Tensor:

@@ -1,0 +1,92 @@
+"""Page-level top-k sparse attention for models trained with dense attention (design.md §5).
+
+Each page keeps a representative per KV head, written with the page: the mean of its post-RoPE
+keys (MoBA), or their element-wise min and max (Quest's bound). Each block of `block_queries`
+queries of a chunk scores the earlier pages with the mean of its query vectors against the
+representatives (the maximum over the query heads of the KV head's group) and keeps `budget`
+pages: the first `sink_pages` always, the best-scoring others after them. The chunk itself is
+always attended (causally). Selection happens in stage 1 and is kept for stage 2, so forward
+and backward see the same pattern and gradients are exact for it; with budget >= the number of
+earlier pages the result is dense attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+REPRESENTATIVES = ("mean", "minmax")
+
+
+@dataclass(frozen=True)
+class TopKPages:
+    budget: int = 64  # pages attended per query block and KV head, sinks included (64 = 8K tokens)
+    sink_pages: int = 1  # the first pages, always attended (attention sinks)
+    representative: str = "mean"  # 'mean' (MoBA) or 'minmax' (Quest)
+    block_queries: int = 128  # queries that share one selection
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "block_queries"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"TopKPages({name}={value!r}) must be a positive int")
+        if not 0 <= self.sink_pages <= self.budget:
+            raise ValueError(f"TopKPages(sink_pages={self.sink_pages}) must be between 0 and budget={self.budget}")
+        if self.representative not in REPRESENTATIVES:
+            raise ValueError(f"TopKPages(representative={self.representative!r}) must be one of {REPRESENTATIVES}")
+
+    @property
+    def rep_size(self) -> int:
+        """Vectors per page and KV head in the representative."""
+        return 2 if self.representative == "minmax" else 1
+
+
+def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:
+    """k: (B, Hkv, n*P, D) post-RoPE keys of whole pages -> (B, n, Hkv, R, D) in k's dtype."""
+    b, h, t, d = k.shape
+    pages = k.reshape(b, h, n_pages, t // n_pages, d).transpose(1, 2)  # (B, n, Hkv, P, D)
+    if kind == "mean":
+        return pages.float().mean(dim=3, keepdim=True).to(k.dtype)
+    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
+
+
+def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> torch.Tensor:
+    """Pages each query block attends: (B, Hkv, n_blocks, min(budget, n)) int32, ascending.
+
+    q: (B, H, C, D) the chunk's post-RoPE queries; reps: (B, n, Hkv, R, D) of the n earlier pages.
+    """
+    b, h, c, d = q.shape
+    n, n_kv = reps.shape[1], reps.shape[2]
+    blocks = -(-c // cfg.block_queries)
+    keep = min(cfg.budget, n)
+    if keep == 0:
+        return torch.empty((b, n_kv, blocks, 0), dtype=torch.int32, device=q.device)
+    # Mean query of each block and head: (B, Hkv, G, n_blocks, D), fp32.
+    pad = blocks * cfg.block_queries - c
+    qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad))
+    counts = torch.full((blocks,), cfg.block_queries, device=q.device, dtype=torch.float32)
+    counts[-1] -= pad
+    qm = qf.view(b, n_kv, h // n_kv, blocks, cfg.block_queries, d).sum(4) / counts[:, None]
+    r = reps.float().permute(0, 2, 3, 1, 4)  # (B, Hkv, R, n, D)
+    if cfg.representative == "mean":
+        scores = torch.einsum("bkgqd,bknd->bkgqn", qm, r[:, :, 0])
+    else:  # Quest's upper bound of q.k over the page: sum_d max(q_d min_d, q_d max_d)
+        scores = (torch.einsum("bkgqd,bknd->bkgqn", qm.clamp(min=0), r[:, :, 1])
+                  + torch.einsum("bkgqd,bknd->bkgqn", qm.clamp(max=0), r[:, :, 0]))
+    scores = scores.amax(dim=2)  # (B, Hkv, n_blocks, n): the best head of the group decides
+    scores[..., : cfg.sink_pages] = float("inf")  # sinks are always kept
+    top = torch.topk(scores, keep, dim=-1, sorted=False).indices
+    return top.sort(dim=-1).values.to(torch.int32)
+
+
+def selection_mask(pages, n_queries: int) -> torch.Tensor:
+    """(B, Hkv, C, n_pages * P) bool: which of a group's keys each query may see."""
+    sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k), relative to the group
+    b, n_kv, blocks, _ = sel.shape
+    n = pages.n_pages
+    inside = (sel >= 0) & (sel < n)
+    mask = torch.zeros((b, n_kv, blocks, n + 1), dtype=torch.bool, device=sel.device)
+    mask.scatter_(3, torch.where(inside, sel, n), True)  # out-of-group picks land in the spare column
+    mask = mask[..., :n].repeat_interleave(pages.block_queries, dim=2)[:, :, :n_queries]  # (B, Hkv, C, n)
+    page_size = pages.k.shape[2]
+    return mask.repeat_interleave(page_size, dim=3)  # (B, Hkv, C, n*P)

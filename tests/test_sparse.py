@@ -1,0 +1,120 @@
+"""Page-level top-k sparse attention (torch backend, CPU, float32)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import oomb
+from oomb.attention.sparse import page_representatives, select_pages
+from oomb.models import adapter_for
+from tiny_models import VOCAB, full_sequence_grads, make_model, rel_err
+
+CHUNK, PAGE = 64, 16
+
+
+def run(model, ids, sparse, **kwargs):
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, backend="torch", sparse=sparse,
+                                       **kwargs)
+    result = engine.forward_backward(ids)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return engine, result.loss, grads
+
+
+def batch(b=2, t=200, seed=3):
+    return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("representative", ["mean", "minmax"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_budget_covering_all_pages_is_dense(family, representative):
+    model = make_model(family)
+    ids = batch()
+    _, dense_loss, dense = run(model, ids, None)
+    # 200 tokens in chunks of 4 pages: the last chunk has 12 earlier pages; budget 12 keeps all.
+    _, loss, grads = run(model, ids, oomb.TopKPages(budget=12, representative=representative, block_queries=16))
+    assert rel_err(loss, dense_loss) <= 1e-6
+    for n, g in grads.items():
+        assert rel_err(g, dense[n]) <= 1e-6, n
+    ref_loss, ref = full_sequence_grads(model, ids, ids)  # and so transformers' training too
+    assert rel_err(loss, ref_loss) <= 1e-4
+
+
+def masked_full_sequence(model, ids, selection, block):
+    """Full-sequence training with an explicit (T x T) mask that allows exactly what the sparse
+    engine selected: the earlier pages each query block chose, plus its own chunk (causal)."""
+    a = adapter_for(model)
+    b, t = ids.shape
+    h = a.embed_tokens(ids)
+    cos, sin = a.rope(h, 0)
+    for i, layer in enumerate(a.layers):
+        q, k, v = a.project_qkv(layer, h, cos, sin)  # (B, H, T, D), (B, Hkv, T, D)
+        n_kv, group = k.shape[1], q.shape[1] // k.shape[1]
+        allowed = torch.zeros((b, n_kv, t, t), dtype=torch.bool)
+        for start in range(0, t, CHUNK):
+            end, c = min(start + CHUNK, t), start // CHUNK
+            causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+            allowed[:, :, start:end, start:end] = causal
+            if c == 0:
+                continue
+            sel = selection[c, i]  # (B, Hkv, n_blocks, k)
+            for qi in range(start, end):
+                for bi in range(b):
+                    for kv in range(n_kv):
+                        for page in sel[bi, kv, (qi - start) // block].tolist():
+                            allowed[bi, kv, qi, page * PAGE : (page + 1) * PAGE] = True
+        qg = q.reshape(b, n_kv, group, t, -1)
+        s = torch.einsum("bkgtd,bksd->bkgts", qg, k) * a.scale
+        s = s.masked_fill(~allowed[:, :, None], float("-inf"))
+        o = torch.einsum("bkgts,bksd->bkgtd", s.softmax(-1), v).reshape(q.shape)
+        h = a.finish_layer(layer, h, o)
+    logits = a.lm_head(a.norm(h)).float()
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+@pytest.mark.parametrize("representative", ["mean", "minmax"])
+def test_small_budget_gradients_exact_for_the_selected_pattern(representative):
+    model = make_model("qwen3")
+    ids = batch(t=230)
+    cfg = oomb.TopKPages(budget=3, sink_pages=1, representative=representative, block_queries=16)
+    engine, loss, grads = run(model, ids, cfg)
+    # Every (chunk, layer) chose once; chunk 0 has no earlier page to choose.
+    assert sorted(engine._selection) == [(c, i) for c in range(4) for i in range(2)]
+    for (c, _), sel in engine._selection.items():
+        assert sel.shape[-1] == (0 if c == 0 else 3)
+        assert c == 0 or (sel[..., 0] == 0).all()  # the sink page is always kept
+    ref_loss = masked_full_sequence(model, ids, engine._selection, cfg.block_queries)
+    ref_loss.backward()
+    assert rel_err(loss, ref_loss) <= 1e-5
+    for n, p in model.named_parameters():
+        assert rel_err(grads[n], p.grad) <= 1e-4, n
+    dense = run(model, ids, None)[2]
+    assert max(rel_err(grads[n], dense[n]) for n in dense) > 1e-2  # the budget really dropped pages
+
+
+def test_sparse_offload_identical_to_device_pool():
+    model = make_model("qwen2", layers=3)
+    ids = batch()
+    cfg = oomb.TopKPages(budget=2, block_queries=32)
+    _, loss, grads = run(model, ids, cfg, group_pages=3)
+    _, loss_all, grads_all = run(model, ids, cfg, group_pages=3, offload="all")
+    assert torch.equal(loss, loss_all)
+    assert all(torch.equal(grads[n], grads_all[n]) for n in grads)
+
+
+def test_selection_prefers_the_matching_page():
+    torch.manual_seed(0)
+    k = torch.randn(1, 1, 6 * PAGE, 8)  # 6 pages, 1 KV head
+    reps = page_representatives(k, 6, "mean")  # (1, 6, 1, 1, 8)
+    q = (10 * reps[0, 4, 0, 0]).expand(1, 2, 5, 8)  # 2 query heads share the KV head, all like page 4
+    sel = select_pages(q, reps, oomb.TopKPages(budget=2, sink_pages=1, block_queries=4))
+    assert sel.tolist() == [[[[0, 4], [0, 4]]]]  # sink + the page the queries point at; 2 blocks
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"budget": 0}, r"budget=0\) must be a positive int"),
+    ({"sink_pages": 5, "budget": 4}, r"sink_pages=5\) must be between 0 and budget=4"),
+    ({"representative": "max"}, r"representative='max'\) must be one of"),
+])
+def test_topk_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        oomb.TopKPages(**kwargs)
