@@ -27,7 +27,6 @@ def test_unsupported_model_names_supported_ones():
 @pytest.mark.parametrize("kwargs,match", [
     ({"offload": "disk"}, r"offload='disk' is not one of"),
     ({"sparse": "topk"}, r"sparse='topk' must be None \(dense\) or oomb.TopKPages"),
-    ({"sparse": oomb.TopKPages(), "backend": "triton"}, r"sparse attention runs on backend='torch' only"),
     ({"backend": "cuda"}, r"backend='cuda' is not one of"),
     ({"kv_grad_dtype": torch.float16}, r"kv_grad_dtype=torch.float16 must be"),
     ({"page_size": 48, "chunk_size": 96}, r"page_size=48 must be a power of two"),

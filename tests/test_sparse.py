@@ -11,8 +11,8 @@ from tiny_models import VOCAB, full_sequence_grads, make_model, rel_err
 CHUNK, PAGE = 64, 16
 
 
-def run(model, ids, sparse, **kwargs):
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, backend="torch", sparse=sparse,
+def run(model, ids, sparse, backend="torch", **kwargs):
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, backend=backend, sparse=sparse,
                                        **kwargs)
     result = engine.forward_backward(ids)
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -24,14 +24,17 @@ def batch(b=2, t=200, seed=3):
     return torch.randint(0, VOCAB, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("representative", ["mean", "minmax"])
-@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
-def test_budget_covering_all_pages_is_dense(family, representative):
+@pytest.mark.parametrize("family,representative,backend", [
+    ("qwen2", "mean", "torch"), ("qwen3", "minmax", "torch"), ("qwen2", "minmax", "torch"),
+    ("qwen3", "mean", "triton"),
+])
+def test_budget_covering_all_pages_is_dense(family, representative, backend):
     model = make_model(family)
     ids = batch()
-    _, dense_loss, dense = run(model, ids, None)
+    _, dense_loss, dense = run(model, ids, None, backend, group_pages=5)
     # 200 tokens in chunks of 4 pages: the last chunk has 12 earlier pages; budget 12 keeps all.
-    _, loss, grads = run(model, ids, oomb.TopKPages(budget=12, representative=representative, block_queries=16))
+    cfg = oomb.TopKPages(budget=12, representative=representative, block_queries=32)
+    _, loss, grads = run(model, ids, cfg, backend, group_pages=5)
     assert rel_err(loss, dense_loss) <= 1e-6
     for n, g in grads.items():
         assert rel_err(g, dense[n]) <= 1e-6, n
@@ -71,12 +74,15 @@ def masked_full_sequence(model, ids, selection, block):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-@pytest.mark.parametrize("representative", ["mean", "minmax"])
-def test_small_budget_gradients_exact_for_the_selected_pattern(representative):
+@pytest.mark.parametrize("representative,backend,group_pages", [
+    ("mean", "torch", 128), ("minmax", "torch", 2), ("mean", "triton", 2),
+])
+def test_small_budget_gradients_exact_for_the_selected_pattern(representative, backend, group_pages):
+    """Groups of 2 pages: some query blocks select nothing in a group (an empty row)."""
     model = make_model("qwen3")
     ids = batch(t=230)
-    cfg = oomb.TopKPages(budget=3, sink_pages=1, representative=representative, block_queries=16)
-    engine, loss, grads = run(model, ids, cfg)
+    cfg = oomb.TopKPages(budget=3, sink_pages=1, representative=representative, block_queries=32)
+    engine, loss, grads = run(model, ids, cfg, backend, group_pages=group_pages)
     # Every (chunk, layer) chose once; chunk 0 has no earlier page to choose.
     assert sorted(engine._selection) == [(c, i) for c in range(4) for i in range(2)]
     for (c, _), sel in engine._selection.items():
@@ -87,16 +93,17 @@ def test_small_budget_gradients_exact_for_the_selected_pattern(representative):
     assert rel_err(loss, ref_loss) <= 1e-5
     for n, p in model.named_parameters():
         assert rel_err(grads[n], p.grad) <= 1e-4, n
-    dense = run(model, ids, None)[2]
+    dense = run(model, ids, None, backend)[2]
     assert max(rel_err(grads[n], dense[n]) for n in dense) > 1e-2  # the budget really dropped pages
 
 
-def test_sparse_offload_identical_to_device_pool():
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sparse_offload_identical_to_device_pool(backend):
     model = make_model("qwen2", layers=3)
     ids = batch()
     cfg = oomb.TopKPages(budget=2, block_queries=32)
-    _, loss, grads = run(model, ids, cfg, group_pages=3)
-    _, loss_all, grads_all = run(model, ids, cfg, group_pages=3, offload="all")
+    _, loss, grads = run(model, ids, cfg, backend, group_pages=3)
+    _, loss_all, grads_all = run(model, ids, cfg, backend, group_pages=3, offload="all")
     assert torch.equal(loss, loss_all)
     assert all(torch.equal(grads[n], grads_all[n]) for n in grads)
 
@@ -118,3 +125,9 @@ def test_selection_prefers_the_matching_page():
 def test_topk_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         oomb.TopKPages(**kwargs)
+
+
+def test_block_queries_must_fit_the_kernel_tile():
+    model = make_model("qwen2")
+    with pytest.raises(ValueError, match=r"block_queries=16\) must be a multiple of the kernel's query tile 32"):
+        run(model, batch(), oomb.TopKPages(budget=2, block_queries=16), "triton")

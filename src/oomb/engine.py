@@ -75,9 +75,6 @@ class ChunkRecurrentEngine:
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
-        if sparse is not None and self.backend != "torch":
-            raise ValueError(f"sparse attention runs on backend='torch' only in this version (got backend={backend!r}); "
-                             "the Triton kernels are dense")
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
                                   sparse.representative if sparse is not None else None)

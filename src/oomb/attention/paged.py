@@ -43,6 +43,26 @@ MAX_HEAD_DIM = 256
 
 
 @triton.jit
+def _page_tiles(Span, row, n_pages, tiles_per_page, SPARSE: tl.constexpr):
+    """Page tiles [t_lo, t_hi) a query block visits in this group: every page (dense), or the
+    entries [lo, hi) of its block's ascending selection that fall inside the group (sparse)."""
+    if SPARSE:
+        return tl.load(Span + row * 2) * tiles_per_page, tl.load(Span + row * 2 + 1) * tiles_per_page
+    else:
+        return 0, n_pages * tiles_per_page
+
+
+@triton.jit
+def _page_slot(Table, Sel, sel_row, off_b, i, stride_tb, stride_tp, SPARSE: tl.constexpr):
+    """Pool slot of the i-th page visited: page i (dense) or the i-th selected page (sparse)."""
+    if SPARSE:
+        page = tl.load(Sel + sel_row + i)
+    else:
+        page = i
+    return tl.load(Table + off_b * stride_tb + page * stride_tp).to(tl.int64)
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
                     MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
     """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N)."""
@@ -62,16 +82,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible,
 
 @triton.jit
 def _paged_attn_fwd(
-    Q, K, V, KP, VP, Table, O, LSE,
+    Q, K, V, KP, VP, Table, Sel, Span, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools (same strides)
     stride_tb, stride_tp,
     stride_ob, stride_oh, stride_om, stride_od,
-    C, n_pages, qk_scale, H,
+    C, n_pages, qk_scale, H, n_blocks, max_sel, block_q,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -98,8 +119,10 @@ def _paged_attn_fwd(
     tiles_per_page = PAGE_SIZE // BLOCK_N
     kT_mask = mask_d[:, None]
     v_mask = mask_d[None, :]
-    for t in range(0, n_pages * tiles_per_page):
-        slot = tl.load(Table + off_b * stride_tb + (t // tiles_per_page) * stride_tp).to(tl.int64)
+    sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
+    t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
+    for t in range(t_lo, t_hi):
+        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
         base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
@@ -127,9 +150,13 @@ def _paged_attn_fwd(
                                             kT_mask & in_chunk[None, :], v_mask & in_chunk[:, None], visible,
                                             qk_scale, True, IN_PRECISION)
 
-    acc = acc / l_i[:, None]
+    # A sparse group may leave a row nothing to see (l = 0): its o is 0 and its LSE -inf, which
+    # merges with the other groups as "no contribution".
+    empty = l_i == 0.0
+    acc = acc / tl.where(empty, 1.0, l_i)[:, None]
     # Base-2 LSE (log2 sum 2^(qk)): the only statistic backward needs.
-    tl.store(LSE + off_bh.to(tl.int64) * C + offs_m, m_i + tl.math.log2(l_i), mask=mask_m)
+    lse = tl.where(empty, float("-inf"), m_i + tl.math.log2(tl.where(empty, 1.0, l_i)))
+    tl.store(LSE + off_bh.to(tl.int64) * C + offs_m, lse, mask=mask_m)
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
     tl.store(o_ptrs, acc.to(O.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
 
@@ -214,18 +241,20 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
 
 @triton.jit
 def _paged_attn_bwd_dkdv_pages(
-    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table,
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Chosen,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
     stride_gs, stride_gh, stride_gn, stride_gd,  # DKP and DVP gradient pools
     stride_tb, stride_tp,
-    C, qk_scale, scale, H, HKV,
+    C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
-    of the gradient pages, so the read-modify-write needs no atomics."""
+    of the gradient pages, so the read-modify-write needs no atomics. Sparse: only the query
+    blocks that chose the page (Chosen (B, Hkv, n_pages, n_blocks) int8) are visited."""
     pid = tl.program_id(0)
     tiles_per_page = PAGE_SIZE // BLOCK_N
     page = pid // tiles_per_page
@@ -244,17 +273,25 @@ def _paged_attn_bwd_dkdv_pages(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Every query of the chunk sees every earlier key: no causal mask.
-    for g in range(GROUP):
-        off_h = off_kvh * GROUP + g
-        off_bh = off_b * H + off_h
-        q_head = Q + off_b * stride_qb + off_h * stride_qh
-        do_head = DO + off_b * stride_dob + off_h * stride_doh
-        for start_m in range(0, C, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + off_bh * C, Delta + off_bh * C,
-                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                    C, qk_scale, False, IN_PRECISION)
+    # Every query of the chunk sees every earlier key (dense: one block of all C queries; sparse:
+    # the blocks that chose this page): no causal mask.
+    chosen_row = Chosen + ((off_b * HKV + off_kvh) * n_pages + page) * n_blocks
+    for blk in range(0, n_blocks):
+        if SPARSE:
+            visit = tl.load(chosen_row + blk) != 0
+        else:
+            visit = True
+        if visit:
+            for g in range(GROUP):
+                off_h = off_kvh * GROUP + g
+                off_bh = off_b * H + off_h
+                q_head = Q + off_b * stride_qb + off_h * stride_qh
+                do_head = DO + off_b * stride_dob + off_h * stride_doh
+                for start_m in range(blk * block_q, tl.minimum((blk + 1) * block_q, C), BLOCK_M):
+                    offs_m = start_m + tl.arange(0, BLOCK_M)
+                    dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + off_bh * C, Delta + off_bh * C,
+                                            offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
+                                            stride_dod, C, qk_scale, False, IN_PRECISION)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -324,7 +361,7 @@ def _paged_attn_bwd_dkdv_own(
 
 @triton.jit
 def _paged_attn_bwd_dq(
-    Q, DO, LSE, Delta, K, V, KP, VP, Table, DQ,
+    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -332,9 +369,10 @@ def _paged_attn_bwd_dq(
     stride_ps, stride_ph, stride_pn, stride_pd,
     stride_tb, stride_tp,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    C, n_pages, qk_scale, scale, H,
+    C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
+    SPARSE: tl.constexpr,
 ):
     """One program per (query tile, b, head); loops over the page key tiles, then the chunk."""
     start_m = tl.program_id(0)
@@ -359,8 +397,10 @@ def _paged_attn_bwd_dq(
 
     tiles_per_page = PAGE_SIZE // BLOCK_N
     kv_mask = mask_d[:, None]
-    for t in range(0, n_pages * tiles_per_page):
-        slot = tl.load(Table + off_b * stride_tb + (t // tiles_per_page) * stride_tp).to(tl.int64)
+    sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
+    t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
+    for t in range(t_lo, t_hi):
+        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
         base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
@@ -464,6 +504,34 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _sparse_args(pages: LayerPages, c: int) -> dict:
+    """Kernel arguments of a group's sparse selection (dummies when dense).
+
+    Sel (B, Hkv, n_blocks, k) int32: the selected pages relative to the group, ascending;
+    Span (B, Hkv, n_blocks, 2) int32: the entries [lo, hi) of each row inside the group;
+    Chosen (B, Hkv, n_pages, n_blocks) int8: which query blocks chose each page (dK/dV kernel).
+    """
+    device = pages.table.device
+    if pages.selection is None:
+        dummy = torch.zeros(2, dtype=torch.int32, device=device)
+        return dict(Sel=dummy, Span=dummy, Chosen=dummy.to(torch.int8), n_blocks=1, max_sel=1,
+                    block_q=max(c, 1), SPARSE=False)
+    sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k)
+    b, n_kv, n_blocks, k = sel.shape
+    n = pages.n_pages
+    inside = (sel >= 0) & (sel < n)
+    span = torch.stack([(sel < 0).sum(-1), (sel < n).sum(-1)], dim=-1).to(torch.int32)
+    rel = torch.where(inside, sel, 0).to(torch.int32)
+    if k == 0:
+        rel = torch.zeros((b, n_kv, n_blocks, 1), dtype=torch.int32, device=device)
+    chosen = torch.zeros((b, n_kv, n + 1, n_blocks), dtype=torch.int8, device=device)
+    ib, ih, iq = (torch.arange(x, device=device).view(*s) for x, s in
+                  ((b, (b, 1, 1, 1)), (n_kv, (1, n_kv, 1, 1)), (n_blocks, (1, 1, n_blocks, 1))))
+    chosen[ib, ih, torch.where(inside, sel, n), iq] = 1  # picks outside the group land in row n
+    return dict(Sel=rel.contiguous(), Span=span.contiguous(), Chosen=chosen[:, :, :n].contiguous(),
+                n_blocks=n_blocks, max_sel=rel.shape[-1], block_q=pages.block_queries, SPARSE=True)
+
+
 def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None):
     """o (B, H, C, D) in o_dtype (default q's) and the base-2 lse (B, H, C) fp32."""
     _check(q, k, v, pages)
@@ -475,15 +543,23 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     o = torch.empty((b, h, c, d), dtype=o_dtype or q.dtype, device=q.device)
     lse = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
     grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h)
+    sp = _sparse_args(pages, c)
+    _check_blocks(sp, cfg["BLOCK_M"])
     _paged_attn_fwd[grid](
-        q, k, v, pages.k, pages.v, pages.table, o, lse,
+        q, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
-        c, pages.n_pages, scale * RCP_LN2, h,
+        c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPARSE=sp["SPARSE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
+
+
+def _check_blocks(sp: dict, block_m: int) -> None:
+    if sp["SPARSE"] and sp["block_q"] % block_m:
+        raise ValueError(f"TopKPages(block_queries={sp['block_q']}) must be a multiple of the kernel's query "
+                         f"tile {block_m} on this device; use block_queries=128 (or 256)")
 
 
 def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, dq_dtype=None):
@@ -503,15 +579,18 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         o, do, delta, *o.stride(), *do.stride(), c, h, D=d, HEAD_DIM=head_dim, BLOCK_M=64,
     )
 
+    sp = _sparse_args(pages, c)
+    _check_blocks(sp, cfg["BLOCK_M1"])
+    _check_blocks(sp, cfg["BLOCK_M2"])
     if pages.dk is not None and pages.n_pages > 0:
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n), b * n_kv)
         _paged_attn_bwd_dkdv_pages[grid](
-            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table,
+            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, sp["Chosen"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
-            c, scale * RCP_LN2, scale, h, n_kv,
+            c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, **launch,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"], **launch,
         )
 
     dk = dv = None
@@ -528,13 +607,13 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
-        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, dq,
+        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
-        c, pages.n_pages, scale * RCP_LN2, scale, h,
+        c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
-        INCLUDE_SELF=include_self, **launch,
+        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], **launch,
     )
     return dq, dk, dv
 
@@ -546,7 +625,6 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
 def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):
     """One group's (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log); see reference.forward."""
-    assert pages.selection is None, "the Triton kernels are dense; the engine rejects sparse + triton"
     o, lse2 = _forward(q, k, v, pages, scale, include_self, o_dtype=torch.float32)
     return o, lse2 * LN2  # log2-sum-exp2 -> natural log
 
