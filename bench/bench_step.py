@@ -39,15 +39,17 @@ def build(layers: int, liger: bool):
     return model
 
 
-OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto"}
+OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sparse": "none",
+                "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
 
 
 def step_fn(impl: str, model, chunk_size: int):
     if impl in OOMB_OFFLOAD:
         import oomb
 
+        sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="triton",
-                                           offload=OOMB_OFFLOAD[impl])
+                                           offload=OOMB_OFFLOAD[impl], sparse=sparse)
         return lambda ids: engine.forward_backward(ids).loss
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -92,7 +94,8 @@ def worker(args) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--impls", default="oomb,liger,hf", help="oomb, oomb-all, oomb-auto (offload modes), liger, hf")
+    ap.add_argument("--impls", default="oomb,liger,hf",
+                    help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--chunk-size", type=int, default=4096)
