@@ -91,5 +91,5 @@ def test_sliding_window_config_rejected():
     cfg = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=1, vocab_size=50, use_sliding_window=True, sliding_window=16,
                       max_window_layers=0)
-    with pytest.raises(ValueError, match=r"sliding_attention.*full causal attention only"):
+    with pytest.raises(ValueError, match=r"sliding_attention.*computes full_attention only"):
         oomb.ChunkRecurrentEngine(Qwen2ForCausalLM(cfg))

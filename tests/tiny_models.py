@@ -1,7 +1,7 @@
 """Tiny random transformers models of every supported family, for exactness tests."""
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 97
 
@@ -29,6 +29,12 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2)
         cfg = Qwen3Config(hidden_size=48, intermediate_size=96, num_attention_heads=6, num_key_value_heads=2,
                           head_dim=16, tie_word_embeddings=False, **common)
         cls = Qwen3ForCausalLM
+    elif family == "gpt_oss":  # sliding (window 24) and full layers, sinks, 4 experts (top 2)
+        cfg = GptOssConfig(hidden_size=48, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=24,
+                           layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+                           tie_word_embeddings=False, **common)
+        cls = GptOssForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"
@@ -36,7 +42,7 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2)
     # Random norm weights and biases, so a missed norm or bias changes the result.
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if "norm" in name or name.endswith("bias"):
+            if "norm" in name or name.endswith("bias") or name.endswith("sinks"):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 

@@ -75,6 +75,12 @@ class ChunkRecurrentEngine:
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
+        windowed = [i for i in range(self.adapter.n_layers) if self.adapter.window(i)]
+        if windowed and self.backend == "triton":
+            raise ValueError(
+                f"layers {windowed} of {type(self.adapter.causal_lm).__name__} use sliding-window attention, which "
+                "runs on backend='torch' only in this version (the Triton kernels have no window mask yet)"
+            )
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
                                   sparse.representative if sparse is not None else None)
@@ -162,7 +168,7 @@ class ChunkRecurrentEngine:
                 self.store.write(i, first_page, k, v)
             if not attend:
                 break
-            o = paged_attention(q, k, v, groups, a.scale, self.backend)
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
             h = a.finish_layer(layer, h, o)
         return h
 
@@ -179,7 +185,7 @@ class ChunkRecurrentEngine:
                 if not last:
                     # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                     k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
-                o = paged_attention(q, k, v, groups, a.scale, self.backend)
+                o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
                 h = a.finish_layer(layer, h, o)
                 # The layer's backward starts when its output's gradient is ready: load its first
                 # group of pages (and their dK/dV) then, behind the MLP's backward.
@@ -196,7 +202,10 @@ class ChunkRecurrentEngine:
         computed. Sparse: the pages depend on q; each (chunk, layer) selects once (the first
         pass that sees it: stage 1, or stage 2 for the last chunk) and keeps its selection.
         """
-        groups = self.store.page_groups(i, n_pages) if self.sparse is None else None
+        window = self.adapter.window(i)
+        # Sliding-window layers attend densely to the few pages their window reaches.
+        dense = self.sparse is None or window
+        groups = self.store.page_groups(i, n_pages, window=window) if dense else None
         if groups is not None and prefetch:
             groups.prefetch(False)
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)

@@ -32,12 +32,13 @@ def single_group(pages) -> PageGroups:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups,
-                    scale: float, backend: str) -> torch.Tensor:
+                    scale: float, backend: str, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D).
 
     With autograd on, backward adds the earlier pages' dK/dV into their gradient pages.
+    sinks: (H,) attention-sink logits (GPT-OSS), or None.
     """
     ops = importlib.import_module(_MODULES[backend])
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return PagedAttention.apply(q, k, v, groups, scale, ops)
-    return attention_forward(ops, q, k, v, groups, scale)[0].to(q.dtype)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
+        return PagedAttention.apply(q, k, v, sinks, groups, scale, ops)
+    return attention_forward(ops, q, k, v, groups, scale, sinks)[0].to(q.dtype)

@@ -24,33 +24,43 @@ from ..memory.spec import LayerPages
 PageGroups = Callable[[bool], Iterator[LayerPages]]
 
 
-def attention_forward(ops: ModuleType, q, k, v, groups: PageGroups, scale: float):
-    """Merged (o fp32 (B, H, C, D), lse fp32 (B, H, C)) over all groups."""
+def attention_forward(ops: ModuleType, q, k, v, groups: PageGroups, scale: float, sinks=None):
+    """Merged (o fp32 (B, H, C, D), lse fp32 (B, H, C)) over all groups.
+
+    sinks: (H,) learned logits (GPT-OSS) that join each head's softmax denominator with no
+    value: one more "group" whose lse is the sink and whose output is zero.
+    """
     o = lse = None
     for i, pages in enumerate(groups(False)):
         o_g, lse_g = ops.forward(q, k, v, pages, scale, include_self=i == 0)
         if o is None:
             o, lse = o_g, lse_g
             continue
-        new = torch.logaddexp(lse, lse_g)
-        o = o * torch.exp(lse - new)[..., None] + o_g * torch.exp(lse_g - new)[..., None]
-        lse = new
+        o, lse = _merge(o, lse, o_g, lse_g)
+    if sinks is not None:
+        sink = sinks.float()[None, :, None].expand_as(lse)  # (B, H, C)
+        o, lse = _merge(o, lse, torch.zeros_like(o), sink)
     return o, lse
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+    lse = torch.logaddexp(lse_a, lse_b)
+    return o_a * torch.exp(lse_a - lse)[..., None] + o_b * torch.exp(lse_b - lse)[..., None], lse
 
 
 class PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, groups: PageGroups, scale: float, ops: ModuleType):
-        o, lse = attention_forward(ops, q, k, v, groups, scale)
+    def forward(ctx, q, k, v, sinks, groups: PageGroups, scale: float, ops: ModuleType):
+        o, lse = attention_forward(ops, q, k, v, groups, scale, sinks)
         o = o.to(q.dtype)
         # Only o and the LSE are kept; the pages are read again (in place or staged) in backward.
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.groups, ctx.scale, ctx.ops = groups, scale, ops
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, sinks = ctx.saved_tensors
         dq = dk = dv = None
         for i, pages in enumerate(ctx.groups(True)):
             dq_g, dk_g, dv_g = ctx.ops.backward(do, q, k, v, o, lse, pages, ctx.scale, include_self=i == 0)
@@ -58,4 +68,11 @@ class PagedAttention(torch.autograd.Function):
                 dq, dk, dv = dq_g, dk_g, dv_g
             else:
                 dq = dq + dq_g
-        return dq.to(q.dtype), dk, dv, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # o = sum_j p_j v_j with p_j = exp(s_j - lse) and lse including the sink, so
+            # do/dsink = -p_sink * o and dL/dsink = -sum_{b,i} p_sink * rowsum(o * do).
+            p_sink = torch.exp(sinks.float()[None, :, None] - lse)  # (B, H, C)
+            delta = (o.float() * do.float()).sum(-1)
+            dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+        return dq.to(q.dtype), dk, dv, dsinks, None, None, None

@@ -40,9 +40,17 @@ def _scores(q, keys, n_prev, scale, pages: LayerPages):
         visible = selection_mask(pages, c).repeat(1, 1, h // n_kv, 1)  # (B, Hkv, G*C, n*P)
         n_paged = visible.shape[-1]
         s[..., :n_paged] = s[..., :n_paged].masked_fill(~visible, float("-inf"))
+    n_paged = pages.n_pages * pages.k.shape[2]
     if n_prev is not None:
         qpos = torch.arange(c, device=q.device).repeat(h // n_kv) + n_prev  # (G*C,)
         s = s.masked_fill(torch.arange(n, device=q.device)[None, :] > qpos[:, None], float("-inf"))
+    if pages.window:
+        # Absolute positions: the group's pages, then (with the chunk) the chunk's own keys.
+        kpos = torch.arange(n_paged, device=q.device) + pages.first_page * pages.k.shape[2]
+        if n_prev is not None:
+            kpos = torch.cat([kpos, torch.arange(c, device=q.device) + pages.q_start])
+        qpos = torch.arange(c, device=q.device).repeat(h // n_kv) + pages.q_start  # (G*C,)
+        s = s.masked_fill(kpos[None, :] <= qpos[:, None] - pages.window, float("-inf"))
     return s
 
 

@@ -18,7 +18,9 @@ run at once), never by the host thread:
   write-backs.
 The first group of a layer is loaded ahead (`prefetch()`, called by the engine before the
 layer's projections in forward and when its backward starts), so it hides behind compute too.
-The first backward sweep of a layer zero-fills the staged dK/dV instead of loading them.
+A chunk's host dK/dV pages are zeroed when its K/V are written (a copy from a zero buffer on
+the device: no host-thread memset), so every later read of them is valid, whichever pages a
+sliding window or a sparse selection happens to reach.
 On a CPU model the same code runs with plain memory and synchronous copies.
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ class HostPages:
         self.used = [self._event(), self._event()]
         self.stored = [self._event(), self._event()]
         self._prefetched: tuple | None = None  # (layer, with_grad, span) loading into buffer 0
-        self.grads_live: set[int] = set()  # layers whose host dK/dV have been written this step
+        self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -55,7 +57,6 @@ class HostPages:
         return 2 * self.group_pages * batch * self.spec.page_bytes if self.layers else 0
 
     def begin_step(self, batch: int, max_pages: int) -> None:
-        self.grads_live.clear()
         if not self.layers:
             return
         if batch != self.batch or max_pages > self.max_pages:
@@ -79,7 +80,7 @@ class HostPages:
 
     def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, Hkv, n*P, D) on the device -> host pages [first_page, first_page + n)."""
-        host_k, host_v = self.arena[layer][:2]
+        host_k, host_v, host_dk, host_dv = self.arena[layer]
         n = k.shape[2] // self.spec.page_size
         for x, dst in ((k, host_k), (v, host_v)):
             b, h, t, d = x.shape
@@ -88,11 +89,22 @@ class HostPages:
                 dst[first_page : first_page + n].copy_(pages, non_blocking=True)
             if self.cuda:
                 pages.record_stream(self.copy_stream)  # keep it alive until the copy is done
+        zeros = self._zero_pages(n)
+        with self._on_copy_stream(after_compute=True):  # the zero buffer was made on the compute stream
+            host_dk[first_page : first_page + n].copy_(zeros, non_blocking=True)
+            host_dv[first_page : first_page + n].copy_(zeros, non_blocking=True)
+
+    def _zero_pages(self, n: int) -> torch.Tensor:
+        if self._zeros is None or self._zeros.shape[0] < n or self._zeros.shape[1] != self.batch:
+            s = self.spec
+            self._zeros = torch.zeros((n, self.batch, s.n_kv_heads, s.page_size, s.head_dim),
+                                      dtype=s.grad_dtype, device=self.device)
+        return self._zeros[:n]
 
     # -- reading: groups of pages on the device --------------------------------------------
 
-    def page_groups(self, layer: int, n_pages: int, sparse: dict) -> "_HostGroups":
-        return _HostGroups(self, layer, n_pages, sparse)
+    def page_groups(self, layer: int, first: int, n_pages: int, extra: dict) -> "_HostGroups":
+        return _HostGroups(self, layer, first, n_pages, extra)
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
@@ -111,7 +123,7 @@ class HostPages:
 
     # -- transfers ------------------------------------------------------------------------
 
-    def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool, zero_grads: bool) -> None:
+    def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool) -> None:
         start, end = span
         n = (end - start) * self.batch
         host = self.arena[layer]
@@ -121,11 +133,7 @@ class HostPages:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
             for i in range(4 if with_grad else 2):
-                dst = staged[i][:n]
-                if i >= 2 and zero_grads:
-                    dst.zero_()
-                else:
-                    dst.copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
+                staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
             if self.cuda:
                 self.ready[buf].record(self.copy_stream)
 
@@ -155,10 +163,10 @@ class HostPages:
 class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
-    def __init__(self, host: HostPages, layer: int, n_pages: int, sparse: dict) -> None:
-        self.host, self.layer, self.sparse = host, layer, sparse
+    def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict) -> None:
+        self.host, self.layer, self.extra = host, layer, extra
         g = host.group_pages
-        self.spans = [(s, min(s + g, n_pages)) for s in range(0, n_pages, g)]
+        self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
 
     def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it."""
@@ -173,37 +181,31 @@ class _HostGroups:
         host = self.host
         if with_grad and host.cuda:
             host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
-        host._load(0, self.layer, self.spans[0], with_grad, self._zero(with_grad))
-
-    def _zero(self, with_grad: bool) -> bool:
-        return with_grad and self.layer not in self.host.grads_live
+        host._load(0, self.layer, self.spans[0], with_grad)
 
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
         if not spans:
             k, v, dk, dv = host.staging[0]
             yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, :0],
-                             0, **self.sparse)
+                             0, **self.extra)
             return
         if host._prefetched != self._key(with_grad):
             self._begin(with_grad)
         host._prefetched = None
-        zero_grads = self._zero(with_grad)
         for g, (start, end) in enumerate(spans):
             buf = g % 2
             if g + 1 < len(spans):  # load the next group while this one is computed on
-                host._load(1 - buf, layer, spans[g + 1], with_grad, zero_grads)
+                host._load(1 - buf, layer, spans[g + 1], with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
             k, v, dk, dv = host.staging[buf]
             yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, : end - start],
-                             start, **self.sparse)
+                             start, **self.extra)
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
                 host._store_grads(buf, layer, (start, end))
-        if with_grad:
-            host.grads_live.add(layer)
 
 
 class _NullContext:

@@ -66,6 +66,10 @@ class LayerPages(NamedTuple):
     # queries attends, (B, Hkv, n_blocks, budget) int32, or None for dense.
     selection: torch.Tensor | None = None
     block_queries: int = 0
+    # Sliding-window layers (GPT-OSS): key j is visible to query i iff pos(j) > pos(i) - window.
+    # 0: full attention. Page p holds positions p*P .. p*P+P-1; the chunk starts at q_start.
+    window: int = 0
+    q_start: int = 0
 
     @property
     def n_pages(self) -> int:

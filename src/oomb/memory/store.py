@@ -116,14 +116,18 @@ class PagedKVStore:
         self.dk[slots] = 0
         self.dv[slots] = 0
 
-    def page_groups(self, layer: int, n_pages: int, selection: torch.Tensor | None = None, block_queries: int = 0):
+    def page_groups(self, layer: int, n_pages: int, selection: torch.Tensor | None = None, block_queries: int = 0,
+                    window: int = 0):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
         callable that yields them `group_pages` at a time (see attention/function.py);
-        `selection` restricts each query block to its pages (sparse attention)."""
-        sparse = {"selection": selection, "block_queries": block_queries}
+        `selection` restricts each query block to its pages (sparse attention); `window` to
+        the pages a sliding window starting at the chunk can reach (older ones are skipped)."""
+        q_start = n_pages * self.spec.page_size
+        first = max(0, (q_start - window + 1) // self.spec.page_size) if window else 0
+        extra = {"selection": selection, "block_queries": block_queries, "window": window, "q_start": q_start}
         if layer not in self._row:
-            return self.host.page_groups(layer, n_pages, sparse)
-        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], sparse)
+            return self.host.page_groups(layer, first, n_pages, extra)
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra)
 
     def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
         """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
@@ -140,8 +144,8 @@ class PagedKVStore:
 class _PoolGroups:
     """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
 
-    def __init__(self, store: PagedKVStore, table: torch.Tensor, sparse: dict) -> None:
-        self.store, self.table, self.sparse = store, table, sparse  # table (B, n_pages)
+    def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict) -> None:
+        self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
 
     def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
@@ -149,8 +153,8 @@ class _PoolGroups:
     def __call__(self, with_grad: bool):
         s, n_pages = self.store, self.table.shape[1]
         dk, dv = (s.dk, s.dv) if with_grad else (None, None)
-        for start in range(0, max(n_pages, 1), s.group_pages):
-            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages], start, **self.sparse)
+        for start in range(self.first, max(n_pages, self.first + 1), s.group_pages):
+            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages], start, **self.extra)
 
 
 def to_pages(x: torch.Tensor, n_pages: int) -> torch.Tensor:

@@ -4,12 +4,13 @@ from __future__ import annotations
 from torch import nn
 
 from .base import DecoderAdapter
+from .gpt_oss import GptOssAdapter
 from .llama import LlamaAdapter
 from .qwen2 import Qwen2Adapter
 from .qwen3 import Qwen3Adapter
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
-    name: cls for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter) for name in cls.model_classes
+    name: cls for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, GptOssAdapter) for name in cls.model_classes
 }
 
 

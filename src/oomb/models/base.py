@@ -23,6 +23,8 @@ class DecoderAdapter:
     model_classes: ClassVar[tuple[str, ...]] = ()
     #: transformers' apply_rotary_pos_emb of the family: (q, k, cos, sin) -> (q, k)
     apply_rope: ClassVar[Callable]
+    #: config.layer_types this adapter computes
+    supported_layer_types: ClassVar[tuple[str, ...]] = ("full_attention",)
 
     def __init__(self, causal_lm: nn.Module) -> None:
         self.causal_lm = causal_lm
@@ -57,11 +59,11 @@ class DecoderAdapter:
     def check_config(self, cfg) -> None:
         """Reject configs whose attention oomb does not compute (raise ValueError)."""
         layer_types = getattr(cfg, "layer_types", None) or []
-        other = sorted({t for t in layer_types if t != "full_attention"})
+        other = sorted({t for t in layer_types if t not in self.supported_layer_types})
         if other:
             raise ValueError(
                 f"{type(self.causal_lm).__name__} has layers of type {other}; this adapter computes "
-                "full causal attention only. Disable sliding windows in the config "
+                f"{', '.join(self.supported_layer_types)} only. Disable sliding windows in the config "
                 "(e.g. use_sliding_window=False) or use a model with full attention."
             )
         if self.n_heads % self.n_kv_heads:
@@ -100,8 +102,19 @@ class DecoderAdapter:
     def norm_k(self, attn: nn.Module, k: torch.Tensor) -> torch.Tensor:
         return k
 
+    def window(self, layer_idx: int) -> int:
+        """Sliding-window length of a layer's attention, 0 for full attention."""
+        return 0
+
+    def sinks(self, layer: nn.Module) -> torch.Tensor | None:
+        """Per-head attention-sink logits (H,), or None."""
+        return None
+
+    def mlp(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return layer.mlp(x)
+
     def finish_layer(self, layer: nn.Module, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """Residual stream after attention output o (B, H, C, D) and the MLP: (B, C, hidden)."""
         b, _, c, _ = o.shape
         h = h + layer.self_attn.o_proj(o.transpose(1, 2).reshape(b, c, -1))
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+        return h + self.mlp(layer, layer.post_attention_layernorm(h))

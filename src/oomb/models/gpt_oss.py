@@ -1,0 +1,22 @@
+"""GPT-OSS: sliding-window layers alternate with full ones, every head has a learned sink
+logit in its softmax denominator, and the MLP is a mixture of experts (transformers' own
+router and experts modules run it)."""
+from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+from .base import DecoderAdapter
+
+
+class GptOssAdapter(DecoderAdapter):
+    model_classes = ("GptOssForCausalLM",)
+    apply_rope = staticmethod(apply_rotary_pos_emb)
+    supported_layer_types = ("full_attention", "sliding_attention")
+
+    def window(self, layer_idx: int) -> int:
+        return self.config.sliding_window if self.config.layer_types[layer_idx] == "sliding_attention" else 0
+
+    def sinks(self, layer):
+        return layer.self_attn.sinks  # (H,)
+
+    def mlp(self, layer, x):
+        out, _router_scores = layer.mlp(x)  # the router's aux loss is not part of the LM loss
+        return out
