@@ -10,6 +10,8 @@ TOL = 1e-4
 
 @pytest.mark.parametrize("seq_len,chunk_size,page_size,kwargs", [
     (150, 32, 16, {}),                      # window 24 < chunk: 1-2 earlier pages reachable
+    (150, 32, 16, {"backend": "triton"}),   # the kernels' window masks (interpreted)
+    (97, 16, 16, {"backend": "triton", "group_pages": 1}),
     (97, 16, 16, {"group_pages": 1}),       # window 24 > chunk: reaches into 2 earlier chunks
     (150, 32, 16, {"offload": "all", "group_pages": 2}),
     (150, 32, 16, {"sparse": oomb.TopKPages(budget=8, block_queries=8)}),  # full layers: budget >= pages
@@ -20,15 +22,11 @@ def test_gpt_oss_equals_full_sequence(seq_len, chunk_size, page_size, kwargs):
     labels = ids.clone()
     labels[1, 20:40] = -100
     ref_loss, ref = full_sequence_grads(model, ids, labels)
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=page_size, backend="torch", **kwargs)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=page_size,
+                                       **{"backend": "torch", **kwargs})
     result = engine.forward_backward(ids, labels)
     assert rel_err(result.loss, ref_loss) <= TOL
     for n, p in model.named_parameters():
         assert rel_err(p.grad, ref[n]) <= TOL, n
     sinks = [p.grad for n, p in model.named_parameters() if n.endswith("sinks")]
     assert len(sinks) == 2 and all(g.abs().sum() > 0 for g in sinks)  # sinks get their gradient
-
-
-def test_sliding_window_layers_need_the_torch_backend():
-    with pytest.raises(ValueError, match=r"layers \[0\] of GptOssForCausalLM use sliding-window attention"):
-        oomb.ChunkRecurrentEngine(make_model("gpt_oss"), chunk_size=32, page_size=16, backend="triton")

@@ -75,12 +75,6 @@ class ChunkRecurrentEngine:
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
-        windowed = [i for i in range(self.adapter.n_layers) if self.adapter.window(i)]
-        if windowed and self.backend == "triton":
-            raise ValueError(
-                f"layers {windowed} of {type(self.adapter.causal_lm).__name__} use sliding-window attention, which "
-                "runs on backend='torch' only in this version (the Triton kernels have no window mask yet)"
-            )
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
                                   sparse.representative if sparse is not None else None)

@@ -46,20 +46,33 @@ MAX_HEAD_DIM = 256
 def _page_tiles(Span, row, n_pages, tiles_per_page, SPARSE: tl.constexpr):
     """Page tiles [t_lo, t_hi) a query block visits in this group: every page (dense), or the
     entries [lo, hi) of its block's ascending selection that fall inside the group (sparse)."""
+    t_lo = 0
+    t_hi = n_pages * tiles_per_page
     if SPARSE:
-        return tl.load(Span + row * 2) * tiles_per_page, tl.load(Span + row * 2 + 1) * tiles_per_page
-    else:
-        return 0, n_pages * tiles_per_page
+        t_lo = tl.load(Span + row * 2) * tiles_per_page
+        t_hi = tl.load(Span + row * 2 + 1) * tiles_per_page
+    return t_lo, t_hi
 
 
 @triton.jit
 def _page_slot(Table, Sel, sel_row, off_b, i, stride_tb, stride_tp, SPARSE: tl.constexpr):
     """Pool slot of the i-th page visited: page i (dense) or the i-th selected page (sparse)."""
+    page = i
     if SPARSE:
         page = tl.load(Sel + sel_row + i)
-    else:
-        page = i
     return tl.load(Table + off_b * stride_tb + page * stride_tp).to(tl.int64)
+
+
+@triton.jit
+def _own_key_tiles(q_lo, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """Own-key tiles of a query tile starting at q_lo: [0, free_hi) need no mask, [masked_lo,
+    diagonal end) do. A sliding window masks every tile from the first it can reach."""
+    masked_lo = q_lo
+    free_hi = q_lo
+    if WINDOWED:
+        masked_lo = (tl.maximum(q_lo - window + 1, 0) // BLOCK_N) * BLOCK_N
+        free_hi = 0
+    return masked_lo, free_hi
 
 
 @triton.jit
@@ -89,10 +102,10 @@ def _paged_attn_fwd(
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools (same strides)
     stride_tb, stride_tp,
     stride_ob, stride_oh, stride_om, stride_od,
-    C, n_pages, qk_scale, H, n_blocks, max_sel, block_q,
+    C, n_pages, qk_scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
@@ -126,26 +139,33 @@ def _paged_attn_fwd(
         base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
-                                        qk_scale, False, IN_PRECISION)
+        # Sliding window: key positions relative to the chunk's start (negative: earlier pages).
+        kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
+        in_window = kpos[None, :] > offs_m[:, None] - window
+        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
+                                        qk_scale, WINDOWED, IN_PRECISION)
 
     # The chunk's own keys ride with the first group of pages only (attention/function.py).
     if INCLUDE_SELF:
-        # Own keys before this query tile: all visible (and all < C), no mask.
+        # Own keys before this query tile: all visible (and all < C), no mask. With a sliding
+        # window every visited tile is masked instead, from the window's first tile on.
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
         v_base = V + off_b * stride_vb + off_kvh * stride_vh
-        for start_n in range(0, start_m * BLOCK_M, BLOCK_N):
+        masked_lo, free_hi = _own_key_tiles(start_m * BLOCK_M, window, BLOCK_N, WINDOWED)
+        for start_n in range(0, free_hi, BLOCK_N):
             kT_ptrs = k_base + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None] * stride_kd
             v_ptrs = v_base + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
                                             qk_scale, False, IN_PRECISION)
         # Diagonal tiles: causal mask j <= i, and j < C (keys past the chunk are padding).
-        for start_n in range(start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
+        for start_n in range(masked_lo, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
             cols = start_n + offs_n
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
             in_chunk = cols < C
             visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
+            if WINDOWED:
+                visible = visible & (cols[None, :] > offs_m[:, None] - window)
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs,
                                             kT_mask & in_chunk[None, :], v_mask & in_chunk[:, None], visible,
                                             qk_scale, True, IN_PRECISION)
@@ -202,7 +222,7 @@ def _paged_attn_bwd_preprocess(
 @triton.jit
 def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask_d,
                    stride_qm, stride_qd, stride_dom, stride_dod, C, qk_scale,
-                   MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+                   MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window, WINDOWED: tl.constexpr):
     """One query tile into dK/dV of a key tile. k, v (BLOCK_N, HEAD_DIM); Q, DO, LSE, Delta
     point at the query head's row 0."""
     mask_m = offs_m < C
@@ -213,6 +233,8 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask
     pT = tl.math.exp2(qkT - lse[None, :])
     if MASK:  # diagonal tiles only: key j visible to query i iff j <= i
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    if WINDOWED:  # sliding window: key at kpos (relative to the chunk) visible iff kpos > i - window
+        pT = tl.where(kpos[:, None] > offs_m[None, :] - window, pT, 0.0)
     do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
                  mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
@@ -247,10 +269,10 @@ def _paged_attn_bwd_dkdv_pages(
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
     stride_gs, stride_gh, stride_gn, stride_gd,  # DKP and DVP gradient pools
     stride_tb, stride_tp,
-    C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q,
+    C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
     of the gradient pages, so the read-modify-write needs no atomics. Sparse: only the query
@@ -276,22 +298,26 @@ def _paged_attn_bwd_dkdv_pages(
     # Every query of the chunk sees every earlier key (dense: one block of all C queries; sparse:
     # the blocks that chose this page): no causal mask.
     chosen_row = Chosen + ((off_b * HKV + off_kvh) * n_pages + page) * n_blocks
+    # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
+    kpos = kpos0 + page * PAGE_SIZE + offs_n
+    q_hi = C
+    if WINDOWED:
+        q_hi = tl.minimum(C, kpos0 + page * PAGE_SIZE + start_n + BLOCK_N - 1 + window)
     for blk in range(0, n_blocks):
+        visit = True
         if SPARSE:
             visit = tl.load(chosen_row + blk) != 0
-        else:
-            visit = True
         if visit:
             for g in range(GROUP):
                 off_h = off_kvh * GROUP + g
                 off_bh = off_b * H + off_h
                 q_head = Q + off_b * stride_qb + off_h * stride_qh
                 do_head = DO + off_b * stride_dob + off_h * stride_doh
-                for start_m in range(blk * block_q, tl.minimum((blk + 1) * block_q, C), BLOCK_M):
+                for start_m in range(blk * block_q, tl.minimum((blk + 1) * block_q, q_hi), BLOCK_M):
                     offs_m = start_m + tl.arange(0, BLOCK_M)
                     dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + off_bh * C, Delta + off_bh * C,
                                             offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
-                                            stride_dod, C, qk_scale, False, IN_PRECISION)
+                                            stride_dod, C, qk_scale, False, IN_PRECISION, kpos, window, WINDOWED)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -311,9 +337,9 @@ def _paged_attn_bwd_dkdv_own(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV outputs (same strides)
-    C, qk_scale, scale, H, HKV,
+    C, qk_scale, scale, H, HKV, window,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """One program per (key tile of the chunk, b, KV head); loops over the query tiles that can
     see the key tile (those at or after it) of the G heads of the group."""
@@ -345,13 +371,17 @@ def _paged_attn_bwd_dkdv_own(
             offs_m = start_m + tl.arange(0, BLOCK_M)
             dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                                     offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                    C, qk_scale, True, IN_PRECISION)
-        # Later query tiles see the whole key tile: no mask.
-        for start_m in range(start_n + BLOCK_N, C, BLOCK_M):
+                                    C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
+        # Later query tiles see the whole key tile: no mask (but the window's, which also ends
+        # the loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
+        q_hi = C
+        if WINDOWED:
+            q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
+        for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
                                     offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                    C, qk_scale, False, IN_PRECISION)
+                                    C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
 
     dk *= scale
     out_offs = off_b * stride_dkb + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -369,10 +399,10 @@ def _paged_attn_bwd_dq(
     stride_ps, stride_ph, stride_pn, stride_pd,
     stride_tb, stride_tp,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q,
+    C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """One program per (query tile, b, head); loops over the page key tiles, then the chunk."""
     start_m = tl.program_id(0)
@@ -404,22 +434,28 @@ def _paged_attn_bwd_dq(
         base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, kv_mask, qk_scale, False, IN_PRECISION)
+        kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
+        in_window = kpos[None, :] > offs_m[:, None] - window
+        dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
+                          IN_PRECISION)
 
     if INCLUDE_SELF:
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
         v_base = V + off_b * stride_vb + off_kvh * stride_vh
-        for start_n in range(0, start_m * BLOCK_M, BLOCK_N):
+        masked_lo, free_hi = _own_key_tiles(start_m * BLOCK_M, window, BLOCK_N, WINDOWED)
+        for start_n in range(0, free_hi, BLOCK_N):
             cols = start_n + offs_n
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, kv_mask, qk_scale, False, IN_PRECISION)
-        for start_n in range(start_m * BLOCK_M, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
+        for start_n in range(masked_lo, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
             cols = start_n + offs_n
             in_chunk = cols < C
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
             visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
+            if WINDOWED:
+                visible = visible & (cols[None, :] > offs_m[:, None] - window)
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask & in_chunk[None, :], visible,
                               qk_scale, True, IN_PRECISION)
 
@@ -548,12 +584,17 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     _paged_attn_fwd[grid](
         q, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
-        c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
+        c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], *_window_args(pages),
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
-        SPARSE=sp["SPARSE"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, lse
+
+
+def _window_args(pages: LayerPages) -> tuple[int, int]:
+    """(window, position of the group's first key relative to the chunk's first query)."""
+    return pages.window, pages.first_page * pages.k.shape[2] - pages.q_start
 
 
 def _check_blocks(sp: dict, block_m: int) -> None:
@@ -589,8 +630,10 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, sp["Chosen"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
+            *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"], **launch,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
+            WINDOWED=pages.window > 0, **launch,
         )
 
     dk = dv = None
@@ -600,9 +643,10 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         _paged_attn_bwd_dkdv_own[(triton.cdiv(c, cfg["BLOCK_N1"]), b * n_kv)](
             q, do, lse, delta, k, v, dk, dv,
             *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(),
-            c, scale * RCP_LN2, scale, h, n_kv,
+            c, scale * RCP_LN2, scale, h, n_kv, pages.window,
             GROUP=group, D=d, HEAD_DIM=head_dim,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, **launch,
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, WINDOWED=pages.window > 0,
+            **launch,
         )
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
@@ -611,9 +655,10 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
         c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
+        *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
-        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], **launch,
+        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, **launch,
     )
     return dq, dk, dv
 
