@@ -30,3 +30,23 @@ def test_gpt_oss_equals_full_sequence(seq_len, chunk_size, page_size, kwargs):
         assert rel_err(p.grad, ref[n]) <= TOL, n
     sinks = [p.grad for n, p in model.named_parameters() if n.endswith("sinks")]
     assert len(sinks) == 2 and all(g.abs().sum() > 0 for g in sinks)  # sinks get their gradient
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_sliding_layers_store_only_reachable_pages(backend):
+    """Window 8 < page 16: a later chunk's window reaches only the last page of a chunk, so the
+    sliding layer stores 1 page a chunk, the full layer all 2; gradients stay exact."""
+    model = make_model("gpt_oss")
+    model.config.sliding_window = 8
+    for layer in model.model.layers:
+        if layer.self_attn.sliding_window:
+            layer.self_attn.sliding_window = 8
+    ids = torch.randint(0, VOCAB, (2, 150), generator=torch.Generator().manual_seed(6))
+    ref_loss, ref = full_sequence_grads(model, ids, ids)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend=backend, offload="all")
+    result = engine.forward_backward(ids)
+    assert engine.store.host.layers == [1]  # the full layer goes to the host, the sliding one never
+    assert engine.store.pool.n_slots == 2 * 4 * 1  # batch 2 x 4 stored chunks x 1 tail page
+    assert rel_err(result.loss, ref_loss) <= TOL
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, ref[n]) <= TOL, n

@@ -76,8 +76,12 @@ class ChunkRecurrentEngine:
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
+        pages_per_chunk = chunk_size // page_size
+        # Sliding-window layers keep only the pages of a chunk that a later window can reach.
+        tails = {i: min(pages_per_chunk, -(-(w - 1) // page_size))
+                 for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
-                                  sparse.representative if sparse is not None else None)
+                                  sparse.representative if sparse is not None else None, tails, pages_per_chunk)
         # Sparse: (chunk, layer) -> (B, Hkv, n_blocks, budget) pages, chosen once, used by both stages
         self._selection: dict[tuple[int, int], torch.Tensor] = {}
 
@@ -215,17 +219,17 @@ class ChunkRecurrentEngine:
 
     def _begin_step(self, batch: int, max_pages: int) -> None:
         self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
-        layer_bytes = batch * max_pages * self.spec.page_bytes  # one layer's pages for the step
-        n_layers = self.adapter.n_layers
+        layer_bytes = batch * max_pages * self.spec.page_bytes  # one full layer's pages for the step
+        # Windowed layers' few pages always stay on the device; full layers may go to the host.
+        full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
         if self.offload == "none":
-            n_device = n_layers
+            n_device = len(full)
         elif self.offload == "all":
             n_device = 0
         else:
-            budget = self._page_budget()
-            n_device = n_layers if layer_bytes == 0 else min(n_layers, budget // layer_bytes)
-        self.store.place(list(range(n_device, n_layers)))
-        self._check_memory(batch, max_pages, n_device, layer_bytes)
+            n_device = len(full) if layer_bytes == 0 else min(len(full), self._page_budget() // layer_bytes)
+        self.store.place(full[n_device:])
+        self._check_memory(batch, max_pages, len(full) - n_device, layer_bytes)
         self.store.begin_step(batch, max_pages)
 
     def _page_budget(self) -> int:
@@ -242,8 +246,7 @@ class ChunkRecurrentEngine:
         staging = 2 * self.store.group_pages * self.spec.page_bytes
         return max(0, free + cached + reusable - working_set - staging - AUTO_MARGIN_BYTES)
 
-    def _check_memory(self, batch: int, max_pages: int, n_device: int, layer_bytes: int) -> None:
-        n_host = self.adapter.n_layers - n_device
+    def _check_memory(self, batch: int, max_pages: int, n_host: int, layer_bytes: int) -> None:
         host_need = n_host * layer_bytes - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
         if n_host and self.device.type == "cuda" and host_need > 0:
             available = available_host_bytes()
@@ -257,7 +260,7 @@ class ChunkRecurrentEngine:
                     "(halves the gradient pages), offload='auto' (keeps part on the GPU) or sparse attention."
                 )
         if self.device.type == "cuda" and self.offload != "auto":
-            need = self.store.device_bytes(batch, max_pages, n_device) - self.store.pool.n_slots * self.spec.page_bytes
+            need = self.store.device_bytes(batch, max_pages) - self.store.pool.n_slots * self.spec.page_bytes
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             if need > free:

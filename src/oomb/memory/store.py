@@ -6,6 +6,8 @@ Device pool (one slot = one page of one layer of one sequence):
     table   (n_device_layers, batch, max_pages) int32 on the device: logical page -> slot
 Layers placed on the host keep their pages in offload.HostPages instead; which layers go
 where is decided per step from the offload mode and the device budget (`place()`).
+Sliding-window layers keep only the last pages of each chunk that a later window can reach
+(`tail_pages`): the others are never stored, and these layers never go to the host.
 
 Pages are allocated a chunk at a time for all layers at once, so the table is committed to
 the device once per chunk (one small copy), and every per-layer operation is one indexed
@@ -23,8 +25,10 @@ from .spec import LayerPages, PageSpec
 
 class PagedKVStore:
     def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128,
-                 representative: str | None = None) -> None:
+                 representative: str | None = None, tail_pages: dict[int, int] | None = None,
+                 chunk_pages: int = 0) -> None:
         self.spec = spec
+        self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
         # Sparse attention: one representative per page and KV head, kept on the device for
         # every layer (a few KiB a page), logically indexed: (layers, B, max_pages, Hkv, R, D).
         self.representative = representative
@@ -32,6 +36,7 @@ class PagedKVStore:
         self.n_layers = n_layers
         self.device = torch.device(device)
         self.group_pages = group_pages  # pages attended per kernel call (and moved per transfer)
+        self.chunk_pages = chunk_pages  # pages per chunk
         self.pool = PagePool(0, spec.page_bytes)
         shape = (0, spec.n_kv_heads, spec.page_size, spec.head_dim)
         self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
@@ -47,7 +52,7 @@ class PagedKVStore:
 
     def place(self, host_layers: list[int]) -> None:
         """Keep the pages of `host_layers` on the host, the others in the device pool."""
-        host_layers = sorted(host_layers)
+        host_layers = sorted(layer for layer in host_layers if layer not in self.tail_pages)
         if host_layers != self.host.layers:
             self.host = HostPages(self.spec, host_layers, self.device, self.group_pages)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
@@ -56,7 +61,7 @@ class PagedKVStore:
     def begin_step(self, batch: int, max_pages: int) -> None:
         """Make room for `max_pages` pages per layer and sequence; the store must be empty."""
         assert not self._chunk_slots, "begin_step() with pages still held from the last step"
-        need = len(self._row) * batch * max_pages
+        need = self.device_pages(batch, max_pages)
         if need > self.pool.n_slots:
             # Grow once to the step's need; the buffers are empty, so nothing is copied.
             shape = (need, self.spec.n_kv_heads, self.spec.page_size, self.spec.head_dim)
@@ -75,18 +80,34 @@ class PagedKVStore:
             if self.reps is None or self.reps.shape[1] != batch or self.reps.shape[2] < max_pages:
                 self.reps = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
 
-    def device_bytes(self, batch: int, max_pages: int, n_device_layers: int) -> int:
+    def kept(self, layer: int, n_pages: int) -> int:
+        """Pages of a chunk of n_pages that `layer` stores."""
+        return min(n_pages, self.tail_pages.get(layer, n_pages))
+
+    def device_pages(self, batch: int, max_pages: int) -> int:
+        """Pool slots a step needs: full layers keep every page, windowed ones their tails."""
+        if not self.tail_pages:
+            return len(self._row) * batch * max_pages
+        n_chunks = max_pages // self.chunk_pages
+        return sum(batch * n_chunks * self.kept(layer, self.chunk_pages) for layer in self._row)
+
+    def device_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the pool for a step, plus the host layers' staging buffers."""
-        return n_device_layers * batch * max_pages * self.spec.page_bytes + self.host.staging_bytes(batch)
+        return self.device_pages(batch, max_pages) * self.spec.page_bytes + self.host.staging_bytes(batch)
 
     # -- per chunk ------------------------------------------------------------------------
 
     def alloc_chunk(self, chunk: int, first_page: int, n_pages: int) -> None:
         """Allocate pages [first_page, first_page + n_pages) of every device layer and sequence."""
         rows, batch = self.table.shape[:2]
-        ids = self.pool.alloc(rows * batch * n_pages)
+        counts = [self.kept(layer, n_pages) for layer in self._row]
+        ids = self.pool.alloc(batch * sum(counts))
         self._chunk_slots[chunk] = ids
-        slots = torch.tensor(ids, dtype=torch.int32).view(rows, batch, n_pages)
+        slots = torch.full((rows, batch, n_pages), -1, dtype=torch.int32)
+        offset = 0
+        for row, kept in enumerate(counts):  # a windowed layer stores the chunk's last pages
+            slots[row, :, n_pages - kept :] = torch.tensor(ids[offset : offset + batch * kept]).view(batch, kept)
+            offset += batch * kept
         self.table[:, :, first_page : first_page + n_pages].copy_(slots, non_blocking=True)
 
     def free_chunk(self, chunk: int) -> None:
@@ -110,6 +131,9 @@ class PagedKVStore:
             self.reps[layer, :, first_page : first_page + n_pages] = page_representatives(k, n_pages, self.representative)
         if layer not in self._row:
             return self.host.write(layer, first_page, k, v)
+        skip = n_pages - self.kept(layer, n_pages)  # a windowed layer's pages no window reaches
+        k, v = k[:, :, skip * self.spec.page_size :], v[:, :, skip * self.spec.page_size :]
+        first_page, n_pages = first_page + skip, n_pages - skip
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
         self.k[slots] = to_pages(k, n_pages)
         self.v[slots] = to_pages(v, n_pages)
@@ -137,8 +161,13 @@ class PagedKVStore:
         """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
         if layer not in self._row:
             return self.host.chunk_grads(layer, first_page, n_pages)
-        slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()
-        return from_pages(self.dk[slots]), from_pages(self.dv[slots])
+        kept = self.kept(layer, n_pages)
+        slots = self.table[self._row[layer], :, first_page + n_pages - kept : first_page + n_pages].long()
+        dk, dv = from_pages(self.dk[slots]), from_pages(self.dv[slots])
+        if kept < n_pages:  # pages never stored received no gradient
+            pad = (0, 0, (n_pages - kept) * self.spec.page_size, 0)
+            dk, dv = torch.nn.functional.pad(dk, pad), torch.nn.functional.pad(dv, pad)
+        return dk, dv
 
 
 class _PoolGroups:
