@@ -26,17 +26,25 @@ def _k(n) -> str:
     return f"{n // 1024}K" if n < 2**20 else f"{n / 2**20:g}M"
 
 
+IMPL_ORDER = ["oomb", "oomb-all", "oomb-auto", "oomb-sparse", "oomb-sparse-all", "oomb-sparse-auto", "liger", "hf"]
+
+
+def by_run(rows: list[dict]) -> dict:
+    """Rows grouped by the run that produced them: (commit, date, gpu) -> rows."""
+    runs = defaultdict(list)
+    for r in rows:
+        runs[(r.get("commit"), r.get("date", "")[:10], r.get("gpu"))].append(r)
+    return runs
+
+
 def step_table(rows: list[dict]) -> str:
-    """Latest run per (commit, date) group: one row per length, one column per implementation."""
+    """One table per run: a row per length, two columns (tok/s, peak) per implementation."""
     if not rows:
         return "_no step results yet_"
-    by_run = defaultdict(list)
-    for r in rows:
-        by_run[(r.get("commit"), r.get("date", "")[:10], r.get("gpu"))].append(r)
     out = []
-    for (commit, date, gpu), run in by_run.items():
-        impls = sorted({r["impl"] for r in run}, key=["oomb", "oomb-all", "liger", "hf"].index
-                       if all(r["impl"] in ("oomb", "oomb-all", "liger", "hf") for r in run) else str)
+    for (commit, date, gpu), run in by_run(rows).items():
+        impls = sorted({r["impl"] for r in run},
+                       key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
         lengths = sorted({r["seq_len"] for r in run if "seq_len" in r})
         cell = {(r["impl"], r.get("seq_len")): r for r in run}
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, "
@@ -62,11 +70,8 @@ def step_table(rows: list[dict]) -> str:
 def attention_table(rows: list[dict]) -> str:
     if not rows:
         return "_no attention results yet_"
-    by_run = defaultdict(list)
-    for r in rows:
-        by_run[(r.get("commit"), r.get("date", "")[:10], r.get("gpu"))].append(r)
     out = []
-    for (commit, date, gpu), run in by_run.items():
+    for (commit, date, gpu), run in by_run(rows).items():
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, triton {run[0].get('triton')}.\n")
         out.append("| keys | impl | fwd ms | bwd ms | fwd TFLOP/s | bwd TFLOP/s |")
         out.append("|---|---|---|---|---|---|")
