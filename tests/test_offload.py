@@ -59,3 +59,16 @@ def test_reserve_allocates_up_front():
     assert slots == 1 * 2 * 12 and arena.shape[:2] == (12, 2)
     engine.forward_backward(torch.randint(0, 97, (2, 200)))
     assert engine.store.pool.n_slots == slots and engine.store.host.arena[1][0] is arena
+
+
+def test_host_memory_is_checked_before_the_step(monkeypatch):
+    import oomb.engine
+    monkeypatch.setattr(oomb.engine, "available_host_bytes", lambda: 4 * 2**20)
+    model = make_model("qwen2", layers=2)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all")
+    # 2 layers x 4 KiB a page (K, V, dK, dV fp32: 1 KV head x 16 tokens x 16 dims) / 16 tokens
+    # = 512 B per token: 4 MiB fit about 8,192 tokens; 16K tokens need 8 MiB of pages + 1 MiB of staging.
+    with pytest.raises(ValueError, match=r"needs 9.0 MiB more host memory for its pages \(512 B per token of "
+                                         r"context\), but only 4.0 MiB is available: about 8,192 tokens would fit"):
+        engine.forward_backward(torch.randint(0, 97, (1, 16384)))
+    engine.forward_backward(torch.randint(0, 97, (1, 1024)))  # 0.25 MiB of pages + staging: fine

@@ -27,7 +27,7 @@ from .memory.spec import PageSpec
 from .memory.offload import available_host_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .plan import plan
+from .plan import human_bytes, plan
 
 OFFLOAD_MODES = ("none", "all", "auto")
 #: device memory kept free beside the pages under offload 'auto' (allocator slack, kernels)
@@ -247,25 +247,31 @@ class ChunkRecurrentEngine:
         return max(0, free + cached + reusable - working_set - staging - AUTO_MARGIN_BYTES)
 
     def _check_memory(self, batch: int, max_pages: int, n_host: int, layer_bytes: int) -> None:
-        host_need = n_host * layer_bytes - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
-        if n_host and self.device.type == "cuda" and host_need > 0:
+        pool_now = self.store.pool.n_slots * self.spec.page_bytes
+        host_pages = n_host * layer_bytes  # the host arena's pages
+        host_need = host_pages - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
+        if self.device.type == "cpu":  # a CPU model's "device" pool (and staging) is host memory too
+            host_pages += self.store.device_pages(batch, max_pages) * self.spec.page_bytes
+            host_need += self.store.device_bytes(batch, max_pages) - pool_now
+        if host_need > 0:
             available = available_host_bytes()
             if host_need > available:
-                per_token = layer_bytes * n_host / max(1, batch * max_pages * self.page_size)
-                fits = int(available / per_token) if per_token else 0
+                tokens = max(1, batch * max_pages * self.page_size)
+                per_token = host_pages / tokens
                 raise ValueError(
-                    f"this step needs {host_need / 2**30:.1f} GiB of host memory for the pages of {n_host} layers "
-                    f"({per_token / 1024:.0f} KiB per token), but only {available / 2**30:.1f} GiB is available. "
-                    f"About {fits:,} tokens would fit; use a shorter context, kv_grad_dtype=torch.bfloat16 "
-                    "(halves the gradient pages), offload='auto' (keeps part on the GPU) or sparse attention."
+                    f"this step needs {human_bytes(host_need)} more host memory for its pages "
+                    f"({human_bytes(per_token)} per token of context), but only {human_bytes(available)} is "
+                    f"available: about {int(available / per_token):,} tokens would fit. Use a shorter context, "
+                    "kv_grad_dtype=torch.bfloat16 (halves the gradient pages), offload='auto' (keeps part on the "
+                    "GPU) or sparse attention."
                 )
         if self.device.type == "cuda" and self.offload != "auto":
-            need = self.store.device_bytes(batch, max_pages) - self.store.pool.n_slots * self.spec.page_bytes
+            need = self.store.device_bytes(batch, max_pages) - pool_now
             free, _ = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             if need > free:
                 raise ValueError(
-                    f"the pages of this step need {need / 2**30:.1f} GiB more GPU memory, {free / 2**30:.1f} GiB "
+                    f"the pages of this step need {human_bytes(need)} more GPU memory, {human_bytes(free)} "
                     f"is free; use offload='auto' or offload='all' (pages on the host), a shorter context or "
                     "kv_grad_dtype=torch.bfloat16"
                 )

@@ -85,6 +85,14 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     )
 
 
+def human_bytes(n: float) -> str:
+    """'1.5 GiB', '12.0 MiB', '512 B': for messages a person reads."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
 def _count_params(config, head_dim: int) -> int:
     hidden, inter = config.hidden_size, config.intermediate_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
