@@ -31,10 +31,6 @@ class PagePool:
     def n_free(self) -> int:
         return len(self._free)
 
-    @property
-    def n_used(self) -> int:
-        return self.n_slots - len(self._free)
-
     def alloc(self, n: int) -> list[int]:
         """Take `n` slots; raises PoolExhausted (naming the bytes) if fewer are free."""
         if n > len(self._free):

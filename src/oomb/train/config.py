@@ -1,7 +1,6 @@
 """Trainer settings: one plain dataclass, defaults that run the embedded demo on a CPU."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 
@@ -47,6 +46,3 @@ class TrainConfig:
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 
-
-def fields() -> list[dataclasses.Field]:
-    return list(dataclasses.fields(TrainConfig))
