@@ -10,7 +10,7 @@ class TrainConfig:
     data: str = "copy"  # 'copy' (built-in long-context task) or a .bin file of uint16 token ids
     seq_len: int = 4096
     batch: int = 1
-    steps: int = 40
+    steps: int = 30
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_steps: int = 4
