@@ -238,13 +238,16 @@ class ChunkRecurrentEngine:
             return self.gpu_page_budget_bytes
         if self.device.type != "cuda":
             return 2**62  # a CPU model: host and "device" are the same memory
-        free, _ = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size,
                            page_size=self.page_size, dtype=self.spec.dtype).chunk_activations
         staging = 2 * self.store.group_pages * self.spec.page_bytes
-        return max(0, free + cached + reusable - working_set - staging - AUTO_MARGIN_BYTES)
+        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - AUTO_MARGIN_BYTES)
+
+    def _free_gpu_bytes(self) -> int:
+        """Free device memory, counting what the caching allocator holds but does not use."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
     def _check_memory(self, batch: int, max_pages: int, n_host: int, layer_bytes: int) -> None:
         pool_now = self.store.pool.n_slots * self.spec.page_bytes
@@ -267,8 +270,7 @@ class ChunkRecurrentEngine:
                 )
         if self.device.type == "cuda" and self.offload != "auto":
             need = self.store.device_bytes(batch, max_pages) - pool_now
-            free, _ = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            free = self._free_gpu_bytes()
             if need > free:
                 raise ValueError(
                     f"the pages of this step need {human_bytes(need)} more GPU memory, {human_bytes(free)} "

@@ -25,6 +25,8 @@ On a CPU model the same code runs with plain memory and synchronous copies.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .spec import LayerPages, PageSpec
@@ -140,7 +142,7 @@ class HostPages:
     def _store_grads(self, buf: int, layer: int, span: tuple[int, int]) -> None:
         start, end = span
         n = (end - start) * self.batch
-        stream = torch.cuda.stream(self.d2h_stream) if self.cuda else _NullContext()
+        stream = torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()
         with stream:
             if self.cuda:
                 self.d2h_stream.wait_event(self.used[buf])
@@ -151,7 +153,7 @@ class HostPages:
 
     def _on_copy_stream(self, after_compute: bool):
         if not self.cuda:
-            return _NullContext()
+            return contextlib.nullcontext()
         if after_compute:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(self.copy_stream)
@@ -206,14 +208,6 @@ class _HostGroups:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
                 host._store_grads(buf, layer, (start, end))
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def available_host_bytes() -> int:
