@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -39,17 +40,19 @@ def build(layers: int, liger: bool):
     return model
 
 
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sparse": "none",
                 "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
 
 
-def step_fn(impl: str, model, chunk_size: int):
+def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32"):
     if impl in OOMB_OFFLOAD:
         import oomb
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="triton",
-                                           offload=OOMB_OFFLOAD[impl], sparse=sparse)
+                                           offload=OOMB_OFFLOAD[impl], sparse=sparse,
+                                           kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype])
         return lambda ids: engine.forward_backward(ids).loss
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -63,7 +66,7 @@ def step_fn(impl: str, model, chunk_size: int):
 def worker(args) -> None:
     info = run_info()
     model = build(args.layers, args.impl == "liger")
-    step = step_fn(args.impl, model, args.chunk_size)
+    step = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype)
     vocab = model.config.vocab_size
     weights_gib = torch.cuda.memory_allocated() / 2**30
     step(torch.randint(0, vocab, (1, 8192), device="cuda"))  # warm-up: kernels compiled, grads allocated
@@ -73,13 +76,15 @@ def worker(args) -> None:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         row = {"bench": "step", "impl": args.impl, "seq_len": length, "layers": args.layers,
-               "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None, "weights_gib": round(weights_gib, 2)}
+               "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
+               "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None, "weights_gib": round(weights_gib, 2)}
         try:
             loss = float(step(ids))
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
-                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2))
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                       host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
         row.update(info)
@@ -100,6 +105,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=28)
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
+    ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32", help="oomb's dK/dV pages")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
@@ -110,7 +116,8 @@ def main() -> None:
         return worker(args)
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
-               "--layers", str(args.layers), "--chunk-size", str(args.chunk_size), "--out", args.out]
+               "--layers", str(args.layers), "--chunk-size", str(args.chunk_size), "--out", args.out,
+               "--kv-grad-dtype", args.kv_grad_dtype]
         try:
             subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:

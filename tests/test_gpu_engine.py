@@ -28,14 +28,19 @@ def grads_of(model):
     return out
 
 
+def fp32_copy(model):
+    ref = {n: p.detach().float() for n, p in model.named_parameters()}
+    with torch.device("cuda"):
+        fp32 = type(model)(model.config).float()
+    fp32.load_state_dict(ref)
+    fp32.config._attn_implementation = "sdpa"
+    return fp32.train()
+
+
 def test_bf16_engine_matches_full_sequence_at_8k(wide_model):
     ids = torch.randint(0, 152064, (1, 8192), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     # Truth: transformers in fp32 (a copy of the same weights).
-    ref = {n: p.detach().float() for n, p in wide_model.named_parameters()}
-    with torch.device("cuda"):
-        fp32 = type(wide_model)(wide_model.config).float()
-    fp32.load_state_dict(ref)
-    fp32.config._attn_implementation = "sdpa"
+    fp32 = fp32_copy(wide_model)
     loss32 = fp32(input_ids=ids, labels=ids).loss
     loss32.backward()
     truth = grads_of(fp32)
@@ -92,27 +97,34 @@ def test_no_host_sync_per_page(wide_model):
 
 
 def test_sparse_bf16_dense_budget_and_determinism(wide_model):
-    """Sparse kernels in bf16: a budget covering every page equals dense bitwise-close, and two
-    runs with a small budget give torch.equal gradients."""
+    """Sparse kernels in bf16: a budget covering every page is as close to the fp32 truth as
+    dense bf16; with a small budget and chunk_budget, two runs and offload 'all' / 'auto'
+    (pages gathered from the host by the zero-copy kernel) give torch.equal gradients."""
     ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(3))
-    dense = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=16)
-    loss_d = dense.forward_backward(ids).loss
+    fp32 = fp32_copy(wide_model)
+    oomb.ChunkRecurrentEngine(fp32, chunk_size=1024, page_size=128).forward_backward(ids)
+    truth = grads_of(fp32)
+    del fp32
+    oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128).forward_backward(ids)
     g_dense = grads_of(wide_model)
-    full = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=16,
+    full = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128,
                                      sparse=oomb.TopKPages(budget=40))  # 40 earlier pages at most
-    loss_f = full.forward_backward(ids).loss
+    full.forward_backward(ids)
     g_full = grads_of(wide_model)
-    assert torch.equal(loss_d, loss_f)
-    for n in g_dense:
-        assert rel_err(g_full[n], g_dense[n]) <= 1e-6, n
-    small = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=4,
-                                      sparse=oomb.TopKPages(budget=4))
-    runs = []
-    for _ in range(2):
-        small.forward_backward(ids)
-        runs.append(grads_of(wide_model))
-    for n in runs[0]:
-        assert torch.equal(runs[0][n], runs[1][n]), n
+    for n in truth:
+        e_sparse, e_dense = rel_err(g_full[n], truth[n]), rel_err(g_dense[n], truth[n])
+        assert e_sparse <= 3 * e_dense + 1e-3, f"{n}: sparse {e_sparse:.2e} vs dense {e_dense:.2e}"
+    runs = {}
+    cfg = oomb.TopKPages(budget=4, chunk_budget=9)
+    for name, kwargs in [("none", {}), ("none again", {}), ("all", {"offload": "all"}),
+                         ("auto", {"offload": "auto", "gpu_page_budget_bytes": 40 * PAGE_BYTES})]:
+        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, sparse=cfg, **kwargs)
+        runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
+    loss0, g0 = runs["none"]
+    for name, (loss, g) in runs.items():
+        assert torch.equal(loss, loss0), name
+        for n in g0:
+            assert torch.equal(g[n], g0[n]), f"{name}: {n}"
 
 
 def test_gpt_oss_bf16_matches_full_sequence():

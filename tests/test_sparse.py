@@ -31,10 +31,10 @@ def batch(b=2, t=200, seed=3):
 def test_budget_covering_all_pages_is_dense(family, representative, backend):
     model = make_model(family)
     ids = batch()
-    _, dense_loss, dense = run(model, ids, None, backend, group_pages=5)
+    _, dense_loss, dense = run(model, ids, None, backend)  # one group, as sparse attention reads its pages
     # 200 tokens in chunks of 4 pages: the last chunk has 12 earlier pages; budget 12 keeps all.
     cfg = oomb.TopKPages(budget=12, representative=representative, block_queries=32)
-    _, loss, grads = run(model, ids, cfg, backend, group_pages=5)
+    _, loss, grads = run(model, ids, cfg, backend)
     assert rel_err(loss, dense_loss) <= 1e-6
     for n, g in grads.items():
         assert rel_err(g, dense[n]) <= 1e-6, n
@@ -74,21 +74,25 @@ def masked_full_sequence(model, ids, selection, block):
     return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
 
 
-@pytest.mark.parametrize("representative,backend,group_pages", [
-    ("mean", "torch", 128), ("minmax", "torch", 2), ("mean", "triton", 2),
+@pytest.mark.parametrize("representative,backend,chunk_budget", [
+    ("mean", "torch", 256), ("minmax", "torch", 4), ("mean", "triton", 4),
 ])
-def test_small_budget_gradients_exact_for_the_selected_pattern(representative, backend, group_pages):
-    """Groups of 2 pages: some query blocks select nothing in a group (an empty row)."""
+def test_small_budget_gradients_exact_for_the_selected_pattern(representative, backend, chunk_budget):
+    """chunk_budget=4 < the 8 or 12 earlier pages of the last chunks: its blocks choose among 4."""
     model = make_model("qwen3")
     ids = batch(t=230)
-    cfg = oomb.TopKPages(budget=3, sink_pages=1, representative=representative, block_queries=32)
-    engine, loss, grads = run(model, ids, cfg, backend, group_pages=group_pages)
+    cfg = oomb.TopKPages(budget=3, sink_pages=1, representative=representative, block_queries=32,
+                         chunk_budget=chunk_budget)
+    engine, loss, grads = run(model, ids, cfg, backend)
     # Every (chunk, layer) chose once; chunk 0 has no earlier page to choose.
     assert sorted(engine._selection) == [(c, i) for c in range(4) for i in range(2)]
-    for (c, _), sel in engine._selection.items():
+    selection = {key: sel.logical() for key, sel in engine._selection.items()}
+    for (c, _), sel in selection.items():
         assert sel.shape[-1] == (0 if c == 0 else 3)
         assert c == 0 or (sel[..., 0] == 0).all()  # the sink page is always kept
-    ref_loss = masked_full_sequence(model, ids, engine._selection, cfg.block_queries)
+        for b in range(sel.shape[0]):  # a chunk reads at most chunk_budget distinct pages
+            assert sel[b].unique().numel() <= min(4 * c, chunk_budget)
+    ref_loss = masked_full_sequence(model, ids, selection, cfg.block_queries)
     ref_loss.backward()
     assert rel_err(loss, ref_loss) <= 1e-5
     for n, p in model.named_parameters():
@@ -99,13 +103,28 @@ def test_small_budget_gradients_exact_for_the_selected_pattern(representative, b
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_sparse_offload_identical_to_device_pool(backend):
+    """Offload stages only the chunk's chunk_budget pages (a gather of scattered host pages)."""
     model = make_model("qwen2", layers=3)
     ids = batch()
-    cfg = oomb.TopKPages(budget=2, block_queries=32)
+    cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
     _, loss, grads = run(model, ids, cfg, backend, group_pages=3)
-    _, loss_all, grads_all = run(model, ids, cfg, backend, group_pages=3, offload="all")
+    engine, loss_all, grads_all = run(model, ids, cfg, backend, group_pages=3, offload="all")
+    assert engine.store.host.staging[0][0].shape[0] == 3 * 2  # chunk_budget pages x batch 2
     assert torch.equal(loss, loss_all)
     assert all(torch.equal(grads[n], grads_all[n]) for n in grads)
+
+
+def test_copy_rows_kernel_gathers_and_scatters():
+    """The zero-copy gather/scatter kernel (interpreter on CPU) against plain indexing."""
+    from oomb.memory import offload
+    src = torch.randn(10, 3, 5)
+    rows = torch.tensor([7, 2, 9, 2])
+    out = torch.zeros(4, 3, 5)
+    offload._copy_rows_kernel[(4,)](src, rows, out, rows, 15, GATHER=True, SCATTER=False, BLOCK=8)
+    assert torch.equal(out, src[rows])
+    back = torch.zeros(10, 3, 5)
+    offload._copy_rows_kernel[(3,)](out, rows, back, rows[:3], 15, GATHER=False, SCATTER=True, BLOCK=16)
+    assert torch.equal(back[rows[:3]], src[rows[:3]]) and back[[0, 1, 3]].abs().sum() == 0
 
 
 def test_selection_prefers_the_matching_page():
@@ -114,13 +133,14 @@ def test_selection_prefers_the_matching_page():
     reps = page_representatives(k, 6, "mean")  # (1, 6, 1, 1, 8)
     q = (10 * reps[0, 4, 0, 0]).expand(1, 2, 5, 8)  # 2 query heads share the KV head, all like page 4
     sel = select_pages(q, reps, oomb.TopKPages(budget=2, sink_pages=1, block_queries=4))
-    assert sel.tolist() == [[[[0, 4], [0, 4]]]]  # sink + the page the queries point at; 2 blocks
+    assert sel.logical().tolist() == [[[[0, 4], [0, 4]]]]  # sink + the page the queries point at; 2 blocks
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"budget": 0}, r"budget=0\) must be a positive int"),
     ({"sink_pages": 5, "budget": 4}, r"sink_pages=5\) must be between 0 and budget=4"),
     ({"representative": "max"}, r"representative='max'\) must be one of"),
+    ({"budget": 8, "chunk_budget": 4}, r"chunk_budget=4\) must be >= budget=8"),
 ])
 def test_topk_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

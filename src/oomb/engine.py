@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .attention import paged_attention, resolve_backend
-from .attention.sparse import TopKPages, select_pages
+from .attention.sparse import Selection, TopKPages, select_pages
 from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
 from .memory.spec import PageSpec
 from .memory.offload import available_host_bytes
@@ -81,9 +81,10 @@ class ChunkRecurrentEngine:
         tails = {i: min(pages_per_chunk, -(-(w - 1) // page_size))
                  for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
-                                  sparse.representative if sparse is not None else None, tails, pages_per_chunk)
-        # Sparse: (chunk, layer) -> (B, Hkv, n_blocks, budget) pages, chosen once, used by both stages
-        self._selection: dict[tuple[int, int], torch.Tensor] = {}
+                                  sparse.representative if sparse is not None else None, tails, pages_per_chunk,
+                                  sparse.chunk_budget if sparse is not None else 0)
+        # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
+        self._selection: dict[tuple[int, int], Selection] = {}
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -196,21 +197,25 @@ class ChunkRecurrentEngine:
     def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool):
         """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads.
 
-        Dense: the groups are known first, so offloaded pages start moving while q/k/v are
-        computed. Sparse: the pages depend on q; each (chunk, layer) selects once (the first
-        pass that sees it: stage 1, or stage 2 for the last chunk) and keeps its selection.
+        The groups are made before the projections when the pages are known (dense; sparse
+        with a kept selection), so offloaded pages start moving while q/k/v are computed.
+        Sparse pages depend on q: each (chunk, layer) selects once (the first pass that sees
+        it: stage 1, or stage 2 for the last chunk) and keeps its selection for the other.
         """
         window = self.adapter.window(i)
         # Sliding-window layers attend densely to the few pages their window reaches.
-        dense = self.sparse is None or window
-        groups = self.store.page_groups(i, n_pages, window=window) if dense else None
+        sparse = self.sparse is not None and not window
+        groups = None
+        if not sparse:
+            groups = self.store.page_groups(i, n_pages, window=window)
+        elif (c, i) in self._selection:
+            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
         if groups is not None and prefetch:
             groups.prefetch(False)
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
-            if (c, i) not in self._selection:
-                self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
-            groups = self.store.page_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+            self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
             if prefetch:
                 groups.prefetch(False)
         return q, k, v, groups

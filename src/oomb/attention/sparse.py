@@ -4,14 +4,17 @@ Each page keeps a representative per KV head, written with the page: the mean of
 keys (MoBA), or their element-wise min and max (Quest's bound). Each block of `block_queries`
 queries of a chunk scores the earlier pages with the mean of its query vectors against the
 representatives (the maximum over the query heads of the KV head's group) and keeps `budget`
-pages: the first `sink_pages` always, the best-scoring others after them. The chunk itself is
-always attended (causally). Selection happens in stage 1 and is kept for stage 2, so forward
+pages: the first `sink_pages` always, the best-scoring others after them. The blocks of one
+chunk choose among the chunk's `chunk_budget` best pages (best for any of its blocks and
+heads): that union is all a chunk reads of a layer, so offload moves only these pages, a
+bounded number per layer and chunk. The chunk itself is always attended (causally). Selection happens in stage 1 and is kept for stage 2, so forward
 and backward see the same pattern and gradients are exact for it; with budget >= the number of
 earlier pages the result is dense attention.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -24,14 +27,18 @@ class TopKPages:
     sink_pages: int = 1  # the first pages, always attended (attention sinks)
     representative: str = "mean"  # 'mean' (MoBA) or 'minmax' (Quest)
     block_queries: int = 128  # queries that share one selection
+    chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves), >= budget
 
     def __post_init__(self) -> None:
-        for name in ("budget", "block_queries"):
+        for name in ("budget", "block_queries", "chunk_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"TopKPages({name}={value!r}) must be a positive int")
         if not 0 <= self.sink_pages <= self.budget:
             raise ValueError(f"TopKPages(sink_pages={self.sink_pages}) must be between 0 and budget={self.budget}")
+        if self.chunk_budget < self.budget:
+            raise ValueError(f"TopKPages(chunk_budget={self.chunk_budget}) must be >= budget={self.budget} "
+                             "(the pages a chunk's blocks choose from)")
         if self.representative not in REPRESENTATIVES:
             raise ValueError(f"TopKPages(representative={self.representative!r}) must be one of {REPRESENTATIVES}")
 
@@ -50,17 +57,32 @@ def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tens
     return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
 
 
-def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> torch.Tensor:
-    """Pages each query block attends: (B, Hkv, n_blocks, min(budget, n)) int32, ascending.
+class Selection(NamedTuple):
+    """What one chunk attends of one layer's earlier pages (kept from stage 1 for stage 2)."""
+
+    pages: torch.Tensor  # (B, n_cand) int32 ascending: the logical pages the chunk reads
+    blocks: torch.Tensor  # (B, Hkv, n_blocks, k) int32 ascending: each block's picks, as indices into pages
+
+    def logical(self) -> torch.Tensor:
+        """(B, Hkv, n_blocks, k) logical page of every pick."""
+        b, n_kv, blocks, k = self.blocks.shape
+        flat = self.pages.long()[:, None, :].expand(b, n_kv * blocks, -1)
+        return flat.gather(2, self.blocks.long().view(b, n_kv * blocks, k)).view(b, n_kv, blocks, k).int()
+
+
+def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selection:
+    """The chunk's `min(chunk_budget, n)` best pages and each query block's `min(budget, n)`
+    picks among them.
 
     q: (B, H, C, D) the chunk's post-RoPE queries; reps: (B, n, Hkv, R, D) of the n earlier pages.
     """
     b, h, c, d = q.shape
     n, n_kv = reps.shape[1], reps.shape[2]
     blocks = -(-c // cfg.block_queries)
-    keep = min(cfg.budget, n)
+    keep, n_cand = min(cfg.budget, n), min(cfg.chunk_budget, n)
     if keep == 0:
-        return torch.empty((b, n_kv, blocks, 0), dtype=torch.int32, device=q.device)
+        return Selection(torch.empty((b, 0), dtype=torch.int32, device=q.device),
+                         torch.empty((b, n_kv, blocks, 0), dtype=torch.int32, device=q.device))
     # Mean query of each block and head: (B, Hkv, G, n_blocks, D), fp32.
     pad = blocks * cfg.block_queries - c
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad))
@@ -75,8 +97,13 @@ def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> torch.T
                   + torch.einsum("bkgqd,bknd->bkgqn", qm.clamp(max=0), r[:, :, 0]))
     scores = scores.amax(dim=2)  # (B, Hkv, n_blocks, n): the best head of the group decides
     scores[..., : cfg.sink_pages] = float("inf")  # sinks are always kept
+    if n_cand < n:  # the chunk's candidates: the pages best for any of its blocks and heads
+        cand = torch.topk(scores.amax(dim=(1, 2)), n_cand, dim=-1, sorted=False).indices.sort(dim=-1).values
+        scores = scores.gather(3, cand[:, None, None, :].expand(b, n_kv, blocks, n_cand))
+    else:
+        cand = torch.arange(n, device=q.device).expand(b, n)
     top = torch.topk(scores, keep, dim=-1, sorted=False).indices
-    return top.sort(dim=-1).values.to(torch.int32)
+    return Selection(cand.to(torch.int32).contiguous(), top.sort(dim=-1).values.to(torch.int32))
 
 
 def selection_mask(pages, n_queries: int) -> torch.Tensor:

@@ -28,6 +28,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import triton
+import triton.language as tl
 
 from .spec import LayerPages, PageSpec
 
@@ -105,8 +107,11 @@ class HostPages:
 
     # -- reading: groups of pages on the device --------------------------------------------
 
-    def page_groups(self, layer: int, first: int, n_pages: int, extra: dict) -> "_HostGroups":
-        return _HostGroups(self, layer, first, n_pages, extra)
+    def page_groups(self, layer: int, first: int, n_pages: int, extra: dict,
+                    pages: torch.Tensor | None = None) -> "_HostGroups":
+        """Pages [first, n_pages) of `layer`, or only `pages` ((B, n) logical pages on the
+        device: a sparse selection's, staged as one group by a gather)."""
+        return _HostGroups(self, layer, first, n_pages, extra, pages)
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
@@ -125,7 +130,9 @@ class HostPages:
 
     # -- transfers ------------------------------------------------------------------------
 
-    def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool) -> None:
+    def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool,
+              rows: torch.Tensor | None = None) -> None:
+        """Stage pages [start, end) of `layer` (or the host rows `rows`: a gather) in `buf`."""
         start, end = span
         n = (end - start) * self.batch
         host = self.arena[layer]
@@ -135,11 +142,14 @@ class HostPages:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
             for i in range(4 if with_grad else 2):
-                staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
+                if rows is None:
+                    staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
+                else:
+                    copy_rows(host[i].flatten(0, 1), rows, staged[i], None)
             if self.cuda:
                 self.ready[buf].record(self.copy_stream)
 
-    def _store_grads(self, buf: int, layer: int, span: tuple[int, int]) -> None:
+    def _store_grads(self, buf: int, layer: int, span: tuple[int, int], rows: torch.Tensor | None = None) -> None:
         start, end = span
         n = (end - start) * self.batch
         stream = torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()
@@ -147,7 +157,10 @@ class HostPages:
             if self.cuda:
                 self.d2h_stream.wait_event(self.used[buf])
             for i in (2, 3):
-                self.arena[layer][i][start:end].flatten(0, 1).copy_(self.staging[buf][i][:n], non_blocking=True)
+                if rows is None:
+                    self.arena[layer][i][start:end].flatten(0, 1).copy_(self.staging[buf][i][:n], non_blocking=True)
+                else:
+                    copy_rows(self.staging[buf][i], None, self.arena[layer][i].flatten(0, 1), rows)
             if self.cuda:
                 self.stored[buf].record(self.d2h_stream)
 
@@ -165,10 +178,23 @@ class HostPages:
 class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
-    def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict) -> None:
+    def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict,
+                 pages: torch.Tensor | None) -> None:
         self.host, self.layer, self.extra = host, layer, extra
         g = host.group_pages
-        self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
+        self.rows = None
+        if pages is None:
+            self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
+        else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
+            b, n = pages.shape
+            assert n <= g, f"{n} selected pages do not fit {g} staging slots"
+            self.spans = [(0, n)] if n else []
+            self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
+            if host.cuda:  # made on the compute stream, read on the copy streams
+                self.rows_ready = torch.cuda.Event()
+                self.rows_ready.record(torch.cuda.current_stream(host.device))
+                self.rows.record_stream(host.copy_stream)
+                self.rows.record_stream(host.d2h_stream)
 
     def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it."""
@@ -177,13 +203,16 @@ class _HostGroups:
             self.host._prefetched = self._key(with_grad)
 
     def _key(self, with_grad: bool) -> tuple:
-        return self.layer, with_grad, self.spans[0]
+        return self.layer, with_grad, self.spans[0], id(self.rows)
 
     def _begin(self, with_grad: bool) -> None:
         host = self.host
-        if with_grad and host.cuda:
-            host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
-        host._load(0, self.layer, self.spans[0], with_grad)
+        if host.cuda:
+            if with_grad:
+                host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
+            if self.rows is not None:
+                host.copy_stream.wait_event(self.rows_ready)
+        host._load(0, self.layer, self.spans[0], with_grad, self.rows)
 
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
@@ -207,7 +236,46 @@ class _HostGroups:
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
-                host._store_grads(buf, layer, (start, end))
+                host._store_grads(buf, layer, (start, end), self.rows)
+
+
+@triton.jit
+def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, row_elems, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    src = r.to(tl.int64)
+    dst = r.to(tl.int64)
+    if GATHER:
+        src = tl.load(SrcRows + r)
+    if SCATTER:
+        dst = tl.load(DstRows + r)
+    for start in range(0, row_elems, BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        mask = offs < row_elems
+        tl.store(Dst + dst * row_elems + offs, tl.load(Src + src * row_elems + offs, mask=mask), mask=mask)
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tensor, dst_rows: torch.Tensor | None) -> None:
+    """dst[dst_rows[r]] = src[src_rows[r]] for every r (None: r itself), on the current stream.
+
+    src, dst: contiguous, rows along dim 0; one of them may be pinned host memory when the other
+    is on the GPU: the kernel then reads or writes the host directly (zero-copy through unified
+    addressing), so a gather of scattered host pages is one launch and needs no host sync.
+    On CPU it is plain indexing.
+    """
+    rows = src_rows if src_rows is not None else dst_rows
+    if not (src.is_cuda or dst.is_cuda):
+        if src_rows is None:
+            dst.index_copy_(0, dst_rows, src[: rows.numel()])
+        else:
+            dst[: rows.numel()] = src.index_select(0, src_rows)
+        return
+    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
+    row_elems = src[0].numel()
+    _copy_rows_kernel[(rows.numel(),)](src, src_rows if src_rows is not None else rows, dst,
+                                       dst_rows if dst_rows is not None else rows, row_elems,
+                                       GATHER=src_rows is not None, SCATTER=dst_rows is not None,
+                                       BLOCK=min(4096, triton.next_power_of_2(row_elems)), num_warps=4)
 
 
 def available_host_bytes() -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from ..attention.sparse import page_representatives
+from ..attention.sparse import Selection, page_representatives
 from .offload import HostPages
 from .pool import PagePool
 from .spec import LayerPages, PageSpec
@@ -26,7 +26,7 @@ from .spec import LayerPages, PageSpec
 class PagedKVStore:
     def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128,
                  representative: str | None = None, tail_pages: dict[int, int] | None = None,
-                 chunk_pages: int = 0) -> None:
+                 chunk_pages: int = 0, selected_pages: int = 0) -> None:
         self.spec = spec
         self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
         # Sparse attention: one representative per page and KV head, kept on the device for
@@ -44,7 +44,8 @@ class PagedKVStore:
         self.dk = torch.empty(shape, dtype=spec.grad_dtype, device=self.device)
         self.dv = torch.empty_like(self.dk)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
-        self.host = HostPages(spec, [], self.device, group_pages)
+        self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
+        self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages))
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._chunk_slots: dict[int, list[int]] = {}
 
@@ -54,7 +55,7 @@ class PagedKVStore:
         """Keep the pages of `host_layers` on the host, the others in the device pool."""
         host_layers = sorted(layer for layer in host_layers if layer not in self.tail_pages)
         if host_layers != self.host.layers:
-            self.host = HostPages(self.spec, host_layers, self.device, self.group_pages)
+            self.host = HostPages(self.spec, host_layers, self.device, max(self.group_pages, self.selected_pages))
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
 
@@ -140,18 +141,25 @@ class PagedKVStore:
         self.dk[slots] = 0
         self.dv[slots] = 0
 
-    def page_groups(self, layer: int, n_pages: int, selection: torch.Tensor | None = None, block_queries: int = 0,
-                    window: int = 0):
+    def page_groups(self, layer: int, n_pages: int, window: int = 0):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
-        callable that yields them `group_pages` at a time (see attention/function.py);
-        `selection` restricts each query block to its pages (sparse attention); `window` to
-        the pages a sliding window starting at the chunk can reach (older ones are skipped)."""
+        callable that yields them `group_pages` at a time (see attention/function.py); with a
+        `window`, only the pages a sliding window starting at the chunk can reach."""
         q_start = n_pages * self.spec.page_size
         first = max(0, (q_start - window + 1) // self.spec.page_size) if window else 0
-        extra = {"selection": selection, "block_queries": block_queries, "window": window, "q_start": q_start}
+        extra = {"window": window, "q_start": q_start}
         if layer not in self._row:
             return self.host.page_groups(layer, first, n_pages, extra)
-        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra)
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.group_pages)
+
+    def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int):
+        """The pages a sparse selection reads of the first `n_pages` pages of `layer`, as one
+        group: its pages are the chunk's candidates, its per-block picks index them."""
+        extra = {"selection": selection.blocks, "block_queries": block_queries, "q_start": n_pages * self.spec.page_size}
+        if layer not in self._row:
+            return self.host.page_groups(layer, 0, n_pages, extra, selection.pages)
+        table = self.table[self._row[layer], :, :n_pages].gather(1, selection.pages.long())
+        return _PoolGroups(self, table, 0, extra, max(1, table.shape[1]))
 
     def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
         """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
@@ -173,8 +181,9 @@ class PagedKVStore:
 class _PoolGroups:
     """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
 
-    def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict) -> None:
+    def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict, group_pages: int) -> None:
         self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
+        self.group_pages = group_pages
 
     def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
@@ -182,8 +191,8 @@ class _PoolGroups:
     def __call__(self, with_grad: bool):
         s, n_pages = self.store, self.table.shape[1]
         dk, dv = (s.dk, s.dv) if with_grad else (None, None)
-        for start in range(self.first, max(n_pages, self.first + 1), s.group_pages):
-            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + s.group_pages], start, **self.extra)
+        for start in range(self.first, max(n_pages, self.first + 1), self.group_pages):
+            yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + self.group_pages], start, **self.extra)
 
 
 def to_pages(x: torch.Tensor, n_pages: int) -> torch.Tensor:
