@@ -244,9 +244,10 @@ class ChunkRecurrentEngine:
         if self.device.type != "cuda":
             return 2**62  # a CPU model: host and "device" are the same memory
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
-        working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size,
-                           page_size=self.page_size, dtype=self.spec.dtype).chunk_activations
-        staging = 2 * self.store.group_pages * self.spec.page_bytes
+        trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
+        working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
+                           dtype=self.spec.dtype, trainable_params=trainable).working_set
+        staging = 2 * self.store.host.group_pages * self.spec.page_bytes
         return max(0, self._free_gpu_bytes() + reusable - working_set - staging - AUTO_MARGIN_BYTES)
 
     def _free_gpu_bytes(self) -> int:

@@ -25,6 +25,12 @@ class MemoryPlan:
     grad_pages: int  # their dK/dV accumulators
     chunk_activations: int  # estimate: one chunk's recompute under autograd
     logits_slice: int  # one slice of fp32 logits and its gradient
+    embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
+
+    @property
+    def working_set(self) -> int:
+        """Device bytes one chunk's compute needs beside weights, gradients and pages."""
+        return self.chunk_activations + self.logits_slice + self.embedding_grad
 
     @property
     def pages(self) -> int:
@@ -32,8 +38,7 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.pages + self.chunk_activations
-                + self.logits_slice)
+        return self.weights + self.grads + self.optimizer + self.pages + self.working_set
 
     def bytes_per_token(self) -> float:
         """Page bytes per token of context (the slope of memory against context length)."""
@@ -46,7 +51,8 @@ class MemoryPlan:
         rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
                 ("one chunk's activations (est.)", self.chunk_activations),
-                ("logits slice + grad", self.logits_slice), ("total", self.total)]
+                ("logits slice + grad", self.logits_slice), ("embedding gradient (transient)", self.embedding_grad),
+                ("total", self.total)]
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
 
@@ -82,6 +88,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         grad_pages=n_layers * batch * stored_pages * spec.grad_bytes,
         chunk_activations=tokens * n_layers * per_token_layer,
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
+        embedding_grad=vocab * hidden * item if trainable_params is None else 0,
     )
 
 
