@@ -61,7 +61,8 @@ class Selection(NamedTuple):
     """What one chunk attends of one layer's earlier pages (kept from stage 1 for stage 2)."""
 
     pages: torch.Tensor  # (B, n_cand) int32 ascending: the logical pages the chunk reads
-    blocks: torch.Tensor  # (B, Hkv, n_blocks, k) int32 ascending: each block's picks, as indices into pages
+    blocks: torch.Tensor  # (B, Hkv, n_blocks, k) ascending: each block's picks, as indices into pages (uint8
+    # up to 256 candidates, else int16/int32)
 
     def logical(self) -> torch.Tensor:
         """(B, Hkv, n_blocks, k) logical page of every pick."""
@@ -82,7 +83,7 @@ def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selecti
     keep, n_cand = min(cfg.budget, n), min(cfg.chunk_budget, n)
     if keep == 0:
         return Selection(torch.empty((b, 0), dtype=torch.int32, device=q.device),
-                         torch.empty((b, n_kv, blocks, 0), dtype=torch.int32, device=q.device))
+                         torch.empty((b, n_kv, blocks, 0), dtype=torch.uint8, device=q.device))
     # Mean query of each block and head: (B, Hkv, G, n_blocks, D), fp32.
     pad = blocks * cfg.block_queries - c
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad))
@@ -103,7 +104,9 @@ def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selecti
     else:
         cand = torch.arange(n, device=q.device).expand(b, n)
     top = torch.topk(scores, keep, dim=-1, sorted=False).indices
-    return Selection(cand.to(torch.int32).contiguous(), top.sort(dim=-1).values.to(torch.int32))
+    # Kept for the whole step (every chunk and layer): the smallest type that indexes the candidates.
+    small = torch.uint8 if n_cand <= 256 else torch.int16 if n_cand <= 2**15 else torch.int32
+    return Selection(cand.to(torch.int32).contiguous(), top.sort(dim=-1).values.to(small))
 
 
 def selection_mask(pages, n_queries: int) -> torch.Tensor:
