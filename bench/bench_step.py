@@ -1,9 +1,12 @@
-"""One training step (forward + backward, full-parameter gradients, no optimizer) of a
-Qwen2.5-7B-shaped model with random bf16 weights: oomb dense vs transformers + SDPA +
-gradient checkpointing, and + Liger kernels when importable. Each implementation runs in its
-own process (clean peak-memory counters), one after the other in the same command.
+"""One training step (forward + backward, no optimizer) of a preset model with random bf16
+weights (default Qwen2.5-7B shape, full-parameter gradients; --lora-rank: adapters on
+attention, base frozen): oomb vs transformers + SDPA + gradient checkpointing, and + Liger
+kernels when importable. Each implementation runs in its own process (clean peak-memory
+counters), one after the other in the same command.
 
     python bench/bench_step.py --impls oomb,liger,hf --lengths 32K,64K,128K,256K
+    python bench/bench_step.py --impls oomb-sparse-auto --lengths 64K,256K,1M --kv-grad-dtype bf16
+    python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
@@ -26,7 +29,7 @@ from common import append_results, run_info  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
 
 
-def build(layers: int, liger: bool):
+def build(name: str, layers: int, liger: bool, lora_rank: int = 0):
     from oomb.presets import load_model
 
     if liger:
@@ -34,9 +37,16 @@ def build(layers: int, liger: bool):
 
         apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
-    model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=layers)
+    overrides = {} if layers is None else {"num_hidden_layers": layers}
+    model = load_model(name, dtype=torch.bfloat16, device="cuda", **overrides)
     model.config._attn_implementation = "sdpa"
     model.train()
+    if lora_rank:  # adapters on the attention projections, the base frozen
+        import peft
+
+        attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
+                                                           target_modules=attention))
     return model
 
 
@@ -65,7 +75,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32"):
 
 def worker(args) -> None:
     info = run_info()
-    model = build(args.layers, args.impl == "liger")
+    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank)
     step = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype)
     vocab = model.config.vocab_size
     weights_gib = torch.cuda.memory_allocated() / 2**30
@@ -75,7 +85,8 @@ def worker(args) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        row = {"bench": "step", "impl": args.impl, "seq_len": length, "layers": args.layers,
+        row = {"bench": "step", "impl": args.impl, "model": args.model, "lora_rank": args.lora_rank,
+               "seq_len": length, "layers": model.config.num_hidden_layers,
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None, "weights_gib": round(weights_gib, 2)}
         try:
@@ -102,7 +113,9 @@ def main() -> None:
     ap.add_argument("--impls", default="oomb,liger,hf",
                     help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
-    ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--model", default="qwen2.5-7b", help="a preset of oomb.presets (qwen2.5-7b, gpt-oss-20b)")
+    ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters on attention, base frozen (0: full)")
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32", help="oomb's dK/dV pages")
@@ -116,8 +129,10 @@ def main() -> None:
         return worker(args)
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
-               "--layers", str(args.layers), "--chunk-size", str(args.chunk_size), "--out", args.out,
-               "--kv-grad-dtype", args.kv_grad_dtype]
+               "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
+               "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype]
+        if args.layers is not None:
+            cmd += ["--layers", str(args.layers)]
         try:
             subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:

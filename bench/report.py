@@ -49,6 +49,7 @@ def step_table(rows: list[dict]) -> str:
         cell = {(r["impl"], r.get("seq_len")): r for r in run}
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, "
                    f"triton {run[0].get('triton')}, transformers {run[0].get('transformers')}.\n")
+        out.append(_settings(run, impls) + "\n")
         out.append("| context | " + " | ".join(f"{i} tok/s | {i} peak GiB" for i in impls) + " |")
         out.append("|---" * (1 + 2 * len(impls)) + "|")
         for n in lengths:
@@ -59,12 +60,25 @@ def step_table(rows: list[dict]) -> str:
                     cells += ["", ""]
                 elif r.get("ok"):
                     peak = "n/a" if r.get("peak_note") else f"{r['peak_gib']:.1f}"
-                    cells += [f"{r['tok_s']:,.0f}", peak]
+                    cells += [f"{r['tok_s']:,.0f} ({r['step_s']:g} s)", peak]
                 else:
                     cells += ["OOM" if "memory" in r.get("error", "").lower() else "failed", ""]
             out.append(f"| {_k(n)} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _settings(run: list[dict], impls: list[str]) -> str:
+    """Model, layers, and each oomb implementation's chunk size and dK/dV page dtype."""
+    first = run[0]
+    model = first.get("model", "qwen2.5-7b") + (f" + LoRA r={first['lora_rank']} on attention (base frozen)"
+                                                  if first.get("lora_rank") else ", full-parameter gradients")
+    parts = []
+    for i in impls:
+        r = next(r for r in run if r["impl"] == i)
+        if r.get("chunk_size"):
+            parts.append(f"{i}: chunk {r['chunk_size']}, dK/dV {r.get('kv_grad_dtype') or 'fp32'}")
+    return f"{model}, {first.get('layers', 28)} layers" + ("; " + "; ".join(parts) if parts else "") + "."
 
 
 def attention_table(rows: list[dict]) -> str:
@@ -89,7 +103,7 @@ def main() -> None:
         BEGIN,
         "### Paged attention kernels vs SDPA (`bench/bench_attention.py`)\n",
         attention_table(load("attention.jsonl")),
-        "### Training step, Qwen2.5-7B shape (`bench/bench_step.py`)\n",
+        "### Training step (`bench/bench_step.py`, `bench/bench_offload.py`)\n",
         step_table(load("step.jsonl")),
         END,
     ])

@@ -50,3 +50,31 @@ def test_sliding_layers_store_only_reachable_pages(backend):
     assert rel_err(result.loss, ref_loss) <= TOL
     for n, p in model.named_parameters():
         assert rel_err(p.grad, ref[n]) <= TOL, n
+
+
+def test_gpt_oss_lora_on_attention_and_sparse_offload():
+    """The benchmark's set-up in miniature: LoRA adapters on attention (base frozen), full
+    layers top-k sparse on the host; only adapter gradients, equal to full-sequence training
+    when the budget covers every page."""
+    import peft
+    model = peft.get_peft_model(make_model("gpt_oss"), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], init_lora_weights=False))
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(7))
+    ref_loss, ref = full_sequence_grads(model, ids, ids)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all",
+                                       sparse=oomb.TopKPages(budget=8, block_queries=8, chunk_budget=8))
+    result = engine.forward_backward(ids)
+    assert rel_err(result.loss, ref_loss) <= TOL
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    assert trained and all("lora_" in n for n, _ in trained)
+    for n, p in trained:
+        assert rel_err(p.grad, ref[n]) <= TOL, n
+
+
+def test_gpt_oss_20b_preset():
+    from oomb.presets import load_model
+    model = load_model("gpt-oss-20b", dtype=torch.bfloat16, device="meta")
+    assert 20.8e9 < sum(p.numel() for p in model.parameters()) < 21.0e9  # 20.9B, as published
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    small = load_model("gpt-oss-20b", dtype=torch.bfloat16, device="meta", num_hidden_layers=4)
+    assert small.config.layer_types == ["sliding_attention", "full_attention"] * 2

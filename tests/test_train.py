@@ -1,4 +1,5 @@
 """The trainer and CLI end to end on the tiny preset (CPU, seconds)."""
+import argparse
 import json
 import subprocess
 import sys
@@ -78,3 +79,36 @@ def test_cli_eval(capsys):
 
 def test_parse_tokens():
     assert parse_tokens("1M") == 2**20 and parse_tokens("64k") == 65536 and parse_tokens("4096") == 4096
+
+
+def test_plan_placement_and_longest_context(capsys):
+    """`oomb plan` splits pages as the engine does and finds the longest context that fits."""
+    from oomb.cli import lora_params, parse_bytes
+    from oomb.plan import GPU_MARGIN_BYTES, longest_context, place, plan
+    from oomb.presets import preset_config
+    cfg = preset_config("qwen2.5-7b")
+    p = plan(cfg, 2**20, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0)
+    fixed = p.weights + p.grads + p.working_set + GPU_MARGIN_BYTES
+    gib = 2**30
+    none = place(p, 28, "none", 140 * gib, 110 * gib)
+    assert none.gpu == fixed + p.pages and none.host == 0 and not none.fits  # 112 GiB of pages + 56 GiB
+    every = place(p, 28, "all", 140 * gib, 120 * gib, page_bytes=10)
+    assert every.host == p.pages and every.gpu == fixed + 2 * 256 * 10 and every.fits
+    auto = place(p, 28, "auto", 140 * gib, 110 * gib)
+    layer = p.pages // 28
+    assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer
+    # LoRA rank 16 on q, k, v, o of 28 layers: A (in x 16) + B (16 x out) each
+    assert lora_params(cfg, 16) == 16 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584)) * 28
+    assert parse_bytes("139.8GiB") == int(139.8 * gib) and parse_bytes("80GB") == 80 * 10**9
+    with pytest.raises(argparse.ArgumentTypeError, match="'lots' is not a size"):
+        parse_bytes("lots")
+
+    def fits(n):
+        return place(plan(cfg, n, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0), 28, "all",
+                     140 * gib, 110 * gib).fits
+    n = longest_context(fits, 4096)
+    assert fits(n) and not fits(n + 4096) and 900_000 < n < 1_100_000  # ~112 KiB of pages a token
+    main(["plan", "--seq-len", "1M", "--offload", "all", "--kv-grad-dtype", "bfloat16", "--optimizer", "none",
+          "--host-memory", "110GiB"])
+    out = capsys.readouterr().out
+    assert f"longest context that fits with offload all: {n:,} tokens" in out and "does NOT fit" in out

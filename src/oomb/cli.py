@@ -30,24 +30,67 @@ def cmd_train(args) -> None:
     train(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))
 
 
+def parse_bytes(text: str) -> int:
+    """'139.8GiB', '512MiB', '80GB' -> bytes."""
+    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
+             "TB": 10**12, "B": 1}
+    t = text.strip().upper()
+    for unit in sorted(units, key=len, reverse=True):
+        if t.endswith(unit):
+            try:
+                return int(float(t[: -len(unit)]) * units[unit])
+            except ValueError:
+                break
+    raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 139.8GiB, 512MiB or 80GB")
+
+
 def cmd_plan(args) -> None:
     from transformers import AutoConfig
 
-    from .plan import plan
+    from .memory.spec import PageSpec
+    from .plan import human_bytes, longest_context, place, plan
     from .presets import PRESETS, preset_config
 
     config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
+    trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
+    opt_bytes = 8 if args.optimizer == "adamw" else 0
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    page_bytes = PageSpec(args.page_size, config.num_key_value_heads, head_dim, torch.bfloat16, grad_dtype).page_bytes
+
+    def step_plan(seq_len):
+        return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
+                    kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes)
+
+    def placement(seq_len):
+        return place(step_plan(seq_len), config.num_hidden_layers, args.offload, args.gpu_memory, args.host_memory,
+                     page_bytes=page_bytes)
+
     for seq_len in args.seq_len:
-        p = plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
-                 kv_grad_dtype=grad_dtype)
+        p = step_plan(seq_len)
         if args.json:
-            print(json.dumps(p.as_dict()))
+            print(json.dumps({**p.as_dict(), "placement": vars(placement(seq_len))}))
             continue
+        grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {args.chunk_size}, page {args.page_size}, "
-              f"bf16 weights, {args.kv_grad_dtype} dK/dV pages, AdamW, offload none")
+              f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}")
         print(p.table())
-        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token\n")
+        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token")
+        print(placement(seq_len).summary())
+    if not args.json:
+        longest = longest_context(lambda n: placement(n).fits, args.chunk_size)
+        print(f"longest context that fits with offload {args.offload}: {longest:,} tokens "
+              f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)}; dense pages: sparse "
+              "attention stores the same pages)")
+
+
+def lora_params(config, rank: int) -> int:
+    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o)."""
+    hidden = config.hidden_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = rank * ((hidden + q) + 2 * (hidden + kv) + (q + hidden))
+    return config.num_hidden_layers * per_layer
 
 
 def cmd_eval(args) -> None:
@@ -87,6 +130,13 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--chunk-size", type=int, default=4096)
     p_plan.add_argument("--page-size", type=int, default=128)
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
+    p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
+    p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
+    p_plan.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
+                        help="none: gradients only (the engine benchmarks)")
+    p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")
+    p_plan.add_argument("--host-memory", type=parse_bytes, default=parse_bytes("110GiB"),
+                        help="host RAM pages may pin (default: what a 128 GiB machine leaves)")
     p_plan.add_argument("--json", action="store_true")
     p_plan.set_defaults(func=cmd_plan)
 

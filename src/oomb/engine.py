@@ -14,6 +14,7 @@ needs no stage 1: nothing after it reads its pages.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from functools import partial
 
@@ -104,12 +105,14 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.chunk_size // self.page_size
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         rng_states = []
+        lead = _HostLead(self.device)
         try:
             with torch.no_grad():
                 for c, (start, end) in enumerate(bounds[:-1]):
                     rng_states.append(self._rng_state())
                     self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
                     self._stage1_chunk(c, input_ids[:, start:end], start)
+                    lead.chunk_done()
             rng_states.append(self._rng_state())
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for c in reversed(range(len(bounds))):
@@ -121,6 +124,7 @@ class ChunkRecurrentEngine:
                                                 last=c == len(bounds) - 1)
                 if c < len(bounds) - 1:
                     self.store.free_chunk(c)
+                lead.chunk_done()
         finally:
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
@@ -139,6 +143,7 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.chunk_size // self.page_size
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        lead = _HostLead(self.device)
         try:
             for c, (start, end) in enumerate(bounds):
                 last = c == len(bounds) - 1
@@ -148,6 +153,7 @@ class ChunkRecurrentEngine:
                 ce_sum, _ = head_loss(self.adapter.norm, self.adapter.lm_head, h,
                                       shifted_targets(labels, start, end), slice_tokens(self.adapter.vocab_size, batch))
                 total += ce_sum
+                lead.chunk_done()
         finally:
             self.store.free_all()
         return StepResult(loss=total / count, num_tokens=count)
@@ -330,6 +336,31 @@ class ChunkRecurrentEngine:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.device)
+
+
+class _HostLead:
+    """Keeps the host thread at most `depth` chunks ahead of the GPU.
+
+    Without it, a GPU-bound step lets Python queue chunk after chunk; every buffer that
+    crosses streams (pages going to or coming from the host, `record_stream`) is then freed
+    long before the GPU is done with it, and the caching allocator cannot reuse it: device
+    memory would grow with the context. Two chunks of lead keep the GPU busy; the wait is one
+    event per chunk, not per page.
+    """
+
+    def __init__(self, device: torch.device, depth: int = 2) -> None:
+        self.cuda = device.type == "cuda"
+        self.depth = depth
+        self.events: deque = deque()
+
+    def chunk_done(self) -> None:
+        if not self.cuda:
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self.events.append(event)
+        if len(self.events) > self.depth:
+            self.events.popleft().synchronize()
 
 
 class _AddPageGrads(torch.autograd.Function):

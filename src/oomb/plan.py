@@ -92,6 +92,61 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     )
 
 
+@dataclass
+class Placement:
+    """Where a step's bytes go under an offload mode, against the memory a machine has."""
+
+    offload: str
+    gpu: int  # device bytes the step needs (weights, grads, optimizer, working set, device pages)
+    host: int  # pinned host bytes (the host layers' pages)
+    gpu_capacity: int
+    host_capacity: int
+
+    @property
+    def fits(self) -> bool:
+        return self.gpu <= self.gpu_capacity and self.host <= self.host_capacity
+
+    def summary(self) -> str:
+        verdict = "fits" if self.fits else "does NOT fit"
+        return (f"offload {self.offload}: GPU {human_bytes(self.gpu)} of {human_bytes(self.gpu_capacity)}, "
+                f"host {human_bytes(self.host)} of {human_bytes(self.host_capacity)}: {verdict}")
+
+
+#: device bytes left free beside everything planned (allocator slack, kernels, CUDA context)
+GPU_MARGIN_BYTES = 2 * 2**30
+
+
+def place(p: MemoryPlan, n_layers: int, offload: str, gpu_capacity: int, host_capacity: int,
+          staging_pages: int = 256, page_bytes: int = 0) -> Placement:
+    """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
+    'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
+    while they fit, the rest on the host."""
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + GPU_MARGIN_BYTES
+    layer = p.pages // max(1, n_layers)
+    staging = 2 * staging_pages * p.batch * page_bytes
+    if offload == "none":
+        on_gpu = n_layers
+    elif offload == "all":
+        on_gpu = 0
+    else:
+        on_gpu = n_layers if layer == 0 else min(n_layers, max(0, gpu_capacity - fixed - staging) // layer)
+    on_host = n_layers - on_gpu
+    return Placement(offload, fixed + on_gpu * layer + (staging if on_host else 0), on_host * layer,
+                     gpu_capacity, host_capacity)
+
+
+def longest_context(fits, chunk_size: int, limit: int = 2**26) -> int:
+    """The longest seq_len (a multiple of chunk_size, up to `limit`) with fits(seq_len) true; 0 if none."""
+    lo, hi = 0, limit // chunk_size  # in chunks; fits() is monotone in the length
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if fits(mid * chunk_size):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo * chunk_size
+
+
 def human_bytes(n: float) -> str:
     """'1.5 GiB', '12.0 MiB', '512 B': for messages a person reads."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

@@ -6,7 +6,7 @@ measure. A local directory or hub id goes through transformers' `from_pretrained
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen2Config
 
 PRESETS = {
     # byte-level vocabulary, 4 layers: trains on CPU in seconds a step
@@ -17,14 +17,24 @@ PRESETS = {
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, rope_theta=1e6, rms_norm_eps=1e-6,
                        tie_word_embeddings=False),
+    # GPT-OSS-20B: 24 layers alternating sliding-window (128) and full attention, sinks, 32 experts top-4
+    "gpt-oss-20b": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+                        num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
+                        vocab_size=201088, sliding_window=128, tie_word_embeddings=False),
 }
+_CONFIGS = {"gpt-oss-20b": GptOssConfig}  # the others are Qwen2
 
 
 def preset_config(name: str, **overrides) -> PretrainedConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (or a local model directory)")
-    kwargs = {"max_position_embeddings": 4_194_304, "tie_word_embeddings": False, **PRESETS[name], **overrides}
-    return Qwen2Config(**kwargs)
+    config_class = _CONFIGS.get(name, Qwen2Config)
+    if config_class is Qwen2Config:
+        overrides = {"max_position_embeddings": 4_194_304, **overrides}
+    elif "num_hidden_layers" in overrides:  # GPT-OSS: keep the sliding/full alternation
+        overrides["layer_types"] = [("sliding_attention", "full_attention")[i % 2]
+                                    for i in range(overrides["num_hidden_layers"])]
+    return config_class(**{**PRESETS[name], **overrides})
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
