@@ -1,8 +1,10 @@
 """Offload modes side by side on one Qwen2.5-7B-shaped model (random bf16 weights), one
-process: step time and peak GPU memory of offload 'none' / 'all' / 'auto', and whether each
-mode's gradients are bitwise equal to 'none' at the same length.
+process: step time and peak GPU memory of offload 'none' / 'all' / 'auto' (and of fp32 / bf16
+dK/dV pages), and how each configuration's gradients compare with the first one's at the same
+length: bitwise equal, and the largest relative error over the parameters.
 
     python bench/bench_offload.py --modes none,all --lengths 128K
+    python bench/bench_offload.py --modes auto --kv-grad-dtypes fp32,bf16 --lengths 256K   # bf16 page error
 
 Rows go to --out (bench/results/step.jsonl: the step table shows them as oomb / oomb-all).
 """
@@ -24,6 +26,7 @@ from oomb.cli import parse_tokens  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
 
 IMPL = {"none": "oomb", "all": "oomb-all", "auto": "oomb-auto"}
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def main() -> None:
@@ -32,6 +35,7 @@ def main() -> None:
     ap.add_argument("--lengths", default="128K")
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--layers", type=int, default=28)
+    ap.add_argument("--kv-grad-dtypes", default="fp32", help="fp32, bf16 or both (fp32,bf16)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -43,9 +47,11 @@ def main() -> None:
     warm = torch.randint(0, model.config.vocab_size, (1, 8192), device="cuda")
     inputs = {n: torch.randint(0, model.config.vocab_size, (1, n), device="cuda") for n in lengths}
     reference = {}  # length -> the first mode's gradients, on the host
-    for mode in args.modes.split(","):
+    configs = [(m, d) for m in args.modes.split(",") for d in args.kv_grad_dtypes.split(",")]
+    for mode, grad_dtype in configs:
         # One engine at a time, so a mode's peak memory holds only its own pool.
-        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=mode, backend="triton")
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=mode, backend="triton",
+                                           kv_grad_dtype=GRAD_DTYPES[grad_dtype])
         engine.forward_backward(warm)  # compile kernels, allocate grads
         engine.reserve(1, max(lengths))  # pool and pinned arena once, as a training run would
         for length in lengths:
@@ -57,13 +63,17 @@ def main() -> None:
             torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             row = {"bench": "step", "impl": IMPL[mode], "seq_len": length, "layers": args.layers,
-                   "chunk_size": args.chunk_size, "ok": True, "step_s": round(dt, 2), "tok_s": round(length / dt, 1),
+                   "chunk_size": args.chunk_size, "kv_grad_dtype": grad_dtype, "ok": True, "step_s": round(dt, 2), "tok_s": round(length / dt, 1),
                    "loss": round(loss, 4), "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)}
             grads = [p.grad for p in model.parameters()]
             if length not in reference:
                 reference[length] = [g.to("cpu") for g in grads]
             else:
-                row["grads_equal_first_mode"] = all(torch.equal(g.cpu(), r) for g, r in zip(grads, reference[length]))
+                host = [g.cpu() for g in grads]
+                row["grads_equal_first"] = all(torch.equal(g, r) for g, r in zip(host, reference[length]))
+                row["grad_max_rel_err_vs_first"] = max(
+                    ((g.double() - r.double()).norm() / r.double().norm().clamp_min(1e-30)).item()
+                    for g, r in zip(host, reference[length]))
             row.update(info)
             print(json.dumps(row), flush=True)
             append_results(args.out, [row])

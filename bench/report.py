@@ -37,14 +37,23 @@ def by_run(rows: list[dict]) -> dict:
     return runs
 
 
+def _label(r: dict) -> str:
+    """The implementation's column name: bf16 dK/dV pages are a configuration of their own."""
+    return r["impl"] + (" bf16-dKV" if r.get("kv_grad_dtype") == "bf16" else "")
+
+
 def step_table(rows: list[dict]) -> str:
     """One table per run: a row per length, two columns (tok/s, peak) per implementation."""
     if not rows:
         return "_no step results yet_"
+    rows = [{**r, "impl": _label(r)} for r in rows]
     out = []
     for (commit, date, gpu), run in by_run(rows).items():
-        impls = sorted({r["impl"] for r in run},
-                       key=lambda i: (IMPL_ORDER.index(i) if i in IMPL_ORDER else len(IMPL_ORDER), i))
+        def rank(i):
+            base = i.split(" ")[0]
+            return IMPL_ORDER.index(base) if base in IMPL_ORDER else len(IMPL_ORDER), i
+
+        impls = sorted({r["impl"] for r in run}, key=rank)
         lengths = sorted({r["seq_len"] for r in run if "seq_len" in r})
         cell = {(r["impl"], r.get("seq_len")): r for r in run}
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, "
@@ -69,7 +78,8 @@ def step_table(rows: list[dict]) -> str:
 
 
 def _settings(run: list[dict], impls: list[str]) -> str:
-    """Model, layers, and each oomb implementation's chunk size and dK/dV page dtype."""
+    """Model, layers, and each oomb implementation's chunk size (dK/dV pages fp32 unless the
+    column says bf16-dKV)."""
     first = run[0]
     model = first.get("model", "qwen2.5-7b") + (f" + LoRA r={first['lora_rank']} on attention (base frozen)"
                                                   if first.get("lora_rank") else ", full-parameter gradients")
@@ -77,7 +87,7 @@ def _settings(run: list[dict], impls: list[str]) -> str:
     for i in impls:
         r = next(r for r in run if r["impl"] == i)
         if r.get("chunk_size"):
-            parts.append(f"{i}: chunk {r['chunk_size']}, dK/dV {r.get('kv_grad_dtype') or 'fp32'}")
+            parts.append(f"{i}: chunk {r['chunk_size']}")
     return f"{model}, {first.get('layers', 28)} layers" + ("; " + "; ".join(parts) if parts else "") + "."
 
 
