@@ -12,6 +12,9 @@ import torch
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            continue
         parser.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
 
 
@@ -60,7 +63,8 @@ def cmd_plan(args) -> None:
 
     def step_plan(seq_len):
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
-                    kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes)
+                    kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
+                    checkpoint_layers=args.checkpoint_layers)
 
     def placement(seq_len):
         return place(step_plan(seq_len), config.num_hidden_layers, args.offload, args.gpu_memory, args.host_memory,
@@ -131,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--page-size", type=int, default=128)
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
+    p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
     p_plan.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
                         help="none: gradients only (the engine benchmarks)")

@@ -20,6 +20,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import paged_attention, resolve_backend
 from .attention.sparse import Selection, TopKPages, select_pages
@@ -51,7 +52,7 @@ class ChunkRecurrentEngine:
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
                  backend: str = "auto", offload: str = "none", sparse=None,
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
-                 gpu_page_budget_bytes: int | None = None) -> None:
+                 gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -67,6 +68,10 @@ class ChunkRecurrentEngine:
         if kv_grad_dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32 or torch.bfloat16")
         self.model = model
+        # Stage 2 keeps one chunk's activations of every layer, or (checkpoint_layers) only each
+        # layer's input and recomputes the layer in backward: one more forward of the chunk
+        # (about +25 % compute) for one layer's activations: the minimum-memory setting.
+        self.checkpoint_layers = bool(checkpoint_layers)
         self.adapter = adapter_for(model)
         self.chunk_size = chunk_size
         self.page_size = page_size
@@ -182,16 +187,26 @@ class ChunkRecurrentEngine:
         a = self.adapter
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
+
+        def layer_step(i, layer, h, cos, sin):
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
+            if not last:
+                # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
+                k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+            return a.finish_layer(layer, h, o), groups
+
         with torch.enable_grad():
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start)
             for i, layer in enumerate(a.layers):
-                q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
-                if not last:
-                    # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
-                    k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
-                o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
-                h = a.finish_layer(layer, h, o)
+                if self.checkpoint_layers:
+                    # Keep only the layer's input; its forward runs again (same RNG, same pages)
+                    # when its backward starts.
+                    h = checkpoint(lambda x, i=i, layer=layer: layer_step(i, layer, x, cos, sin)[0], h,
+                                   use_reentrant=False)
+                    continue
+                h, groups = layer_step(i, layer, h, cos, sin)
                 # The layer's backward starts when its output's gradient is ready: load its first
                 # group of pages (and their dK/dV) then, behind the MLP's backward.
                 h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
@@ -252,7 +267,8 @@ class ChunkRecurrentEngine:
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
         working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
-                           dtype=self.spec.dtype, trainable_params=trainable).working_set
+                           dtype=self.spec.dtype, trainable_params=trainable,
+                           checkpoint_layers=self.checkpoint_layers).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
         return max(0, self._free_gpu_bytes() + reusable - working_set - staging - AUTO_MARGIN_BYTES)
 

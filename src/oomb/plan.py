@@ -59,7 +59,8 @@ class MemoryPlan:
 
 def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
-         trainable_params: int | None = None, optimizer_bytes_per_param: int = 8) -> MemoryPlan:
+         trainable_params: int | None = None, optimizer_bytes_per_param: int = 8,
+         checkpoint_layers: bool = False) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
@@ -86,7 +87,9 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         optimizer=trainable * optimizer_bytes_per_param,
         kv_pages=n_layers * batch * stored_pages * spec.kv_bytes,
         grad_pages=n_layers * batch * stored_pages * spec.grad_bytes,
-        chunk_activations=tokens * n_layers * per_token_layer,
+        # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
+        chunk_activations=tokens * (per_token_layer + n_layers * hidden * item if checkpoint_layers
+                                    else n_layers * per_token_layer),
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
     )

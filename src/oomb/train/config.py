@@ -20,6 +20,7 @@ class TrainConfig:
     backend: str = "auto"  # auto | torch | triton
     offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
     kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
+    checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)

@@ -72,7 +72,8 @@ def train(cfg: TrainConfig) -> list[float]:
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
-                                  offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype))
+                                  offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
+                                  checkpoint_layers=cfg.checkpoint_layers)
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     vocab = engine.adapter.vocab_size
     params = [p for p in model.parameters() if p.requires_grad]
