@@ -14,6 +14,7 @@ memory, and the oomb memory plan for comparison.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -29,7 +30,7 @@ from common import append_results, run_info  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
 
 
-def build(name: str, layers: int, liger: bool, lora_rank: int = 0):
+def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda"):
     from oomb.presets import load_model
 
     if liger:
@@ -38,7 +39,8 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0):
         apply_liger_kernel_to_qwen2(rope=True, rms_norm=True, swiglu=True, fused_linear_cross_entropy=True)
     torch.manual_seed(0)
     overrides = {} if layers is None else {"num_hidden_layers": layers}
-    model = load_model(name, dtype=torch.bfloat16, device="cuda", **overrides)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = load_model(name, dtype=dtype, device=device, **overrides)
     model.config._attn_implementation = "sdpa"
     model.train()
     if lora_rank:  # adapters on the attention projections, the base frozen
@@ -55,14 +57,15 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
                 "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
 
 
-def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32"):
+def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False):
     if impl in OOMB_OFFLOAD:
         import oomb
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
-        engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="triton",
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="auto",
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
-                                           kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype])
+                                           kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
+                                           checkpoint_layers=checkpoint_layers)
         return lambda ids: engine.forward_backward(ids).loss
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -73,37 +76,59 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32"):
     return hf_step
 
 
+def _profiled(enabled: bool, out_dir: str, impl: str):
+    """torch.profiler around one step (CPU + CUDA), its trace written to out_dir; else nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=impl))
+
+
 def worker(args) -> None:
     info = run_info()
-    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank)
-    step = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype)
+    cuda = args.device == "cuda"
+    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device)
+    step = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers)
     vocab = model.config.vocab_size
-    weights_gib = torch.cuda.memory_allocated() / 2**30
-    step(torch.randint(0, vocab, (1, 8192), device="cuda"))  # warm-up: kernels compiled, grads allocated
+    weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    warm = min(8192, args.lengths[0])
+    step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
     for length in args.lengths:
-        ids = torch.randint(0, vocab, (1, length), device="cuda")
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        ids = torch.randint(0, vocab, (1, length), device=args.device)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         row = {"bench": "step", "impl": args.impl, "model": args.model, "lora_rank": args.lora_rank,
                "seq_len": length, "layers": model.config.num_hidden_layers,
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
-               "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None, "weights_gib": round(weights_gib, 2)}
+               "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
+               "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
+               "weights_gib": weights_gib and round(weights_gib, 2)}
+        profile = args.profile and length == args.lengths[-1]
         try:
-            loss = float(step(ids))
-            torch.cuda.synchronize()
+            with _profiled(profile, args.profile, args.impl) as prof:
+                loss = float(step(ids))
+            if cuda:
+                torch.cuda.synchronize()
             dt = time.perf_counter() - t0
             row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
-                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2),
+                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
+        if profile and row["ok"]:
+            row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
         row.update(info)
         print(json.dumps(row), flush=True)
         append_results(args.out, [row])  # row by row: a run cut short keeps what it measured
         for p in model.parameters():
             p.grad = None
-        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.empty_cache()
         if not row["ok"]:
             break
 
@@ -119,18 +144,24 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32", help="oomb's dK/dV pages")
+    ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
+    ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
     args.lengths = [parse_tokens(x) for x in args.lengths.split(",")]
-    if not torch.cuda.is_available():
-        sys.exit("bench_step.py needs a CUDA GPU")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_step.py needs a CUDA GPU (or --device cpu for a smoke run of a small preset)")
     if args.impl:
         return worker(args)
     for impl in args.impls.split(","):
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
-               "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype]
+               "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
+               "--device", args.device]
+        if args.checkpoint_layers:
+            cmd.append("--checkpoint-layers")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         try:

@@ -39,14 +39,15 @@ def by_run(rows: list[dict]) -> dict:
 
 def _label(r: dict) -> str:
     """The implementation's column name: bf16 dK/dV pages are a configuration of their own."""
-    return r["impl"] + (" bf16-dKV" if r.get("kv_grad_dtype") == "bf16" else "")
+    return (r["impl"] + (" bf16-dKV" if r.get("kv_grad_dtype") == "bf16" else "")
+            + (" ckpt-layers" if r.get("checkpoint_layers") else ""))
 
 
 def step_table(rows: list[dict]) -> str:
     """One table per run: a row per length, two columns (tok/s, peak) per implementation."""
     if not rows:
         return "_no step results yet_"
-    rows = [{**r, "impl": _label(r)} for r in rows]
+    rows = [{**r, "impl": _label(r)} for r in rows if not r.get("profiled")]
     out = []
     for (commit, date, gpu), run in by_run(rows).items():
         def rank(i):

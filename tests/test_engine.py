@@ -175,7 +175,10 @@ def test_bf16_gradient_pages_are_close():
     assert max(errors.values()) > TOL  # bf16 rounding is visible: the pages really are bf16
 
 
-@pytest.mark.parametrize("backend,kwargs", [("torch", {}), ("triton", {"offload": "all", "group_pages": 2})])
+@pytest.mark.parametrize("backend,kwargs", [
+    ("torch", {}), ("triton", {"offload": "all", "group_pages": 2}),
+    ("torch", {"offload": "all", "sparse": oomb.TopKPages(budget=2, block_queries=16, chunk_budget=3)}),
+])
 def test_checkpoint_layers_gives_identical_gradients(backend, kwargs):
     """Recomputing each layer in backward (the minimum-memory setting) changes no bit, with
     LoRA dropout (its masks redrawn from the saved RNG state) and with offloaded pages."""

@@ -235,7 +235,8 @@ class ChunkRecurrentEngine:
             groups.prefetch(False)
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
-            self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+            with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
+                self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
             if prefetch:
                 groups.prefetch(False)
