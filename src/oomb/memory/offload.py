@@ -21,6 +21,9 @@ layer's projections in forward and when its backward starts), so it hides behind
 A chunk's host dK/dV pages are zeroed when its K/V are written (a copy from a zero buffer on
 the device: no host-thread memset), so every later read of them is valid, whichever pages a
 sliding window or a sparse selection happens to reach.
+Sparse attention reads only a chunk's candidate pages, scattered over the arena: they are
+staged as one group by `copy_rows`, a kernel that reads the pinned pages directly (and writes
+their dK/dV back the same way), from a row list computed on the GPU: no host sync, one launch.
 On a CPU model the same code runs with plain memory and synchronous copies.
 """
 from __future__ import annotations
