@@ -377,7 +377,9 @@ class _HostLead:
         event.record()
         self.events.append(event)
         if len(self.events) > self.depth:
-            self.events.popleft().synchronize()
+            oldest = self.events.popleft()
+            if not oldest.query():  # wait only when the GPU really is behind
+                oldest.synchronize()
 
 
 class _AddPageGrads(torch.autograd.Function):
