@@ -33,6 +33,17 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     assert len(losses) == 1
 
 
+def test_sparse_minimum_memory_settings_train(capsys):
+    """Top-k sparse attention with pages on the host, bf16 dK/dV and layer recomputation: the
+    settings of the longest contexts, through the trainer."""
+    losses = train(TrainConfig(**{**SMALL, "seq_len": 512}, sparse_budget=1, sparse_chunk_budget=2, offload="all",
+                               kv_grad_dtype="bfloat16", checkpoint_layers=True))
+    assert len(losses) == 3 and all(x == x for x in losses)
+    assert "sparse top-1 pages attention" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="sparse_chunk_budget=2 must be >= sparse_budget=4"):
+        TrainConfig(sparse_budget=4, sparse_chunk_budget=2)
+
+
 def test_offload_all_with_bf16_gradient_pages_trains():
     losses = train(TrainConfig(**SMALL, offload="all", kv_grad_dtype="bfloat16"))
     assert len(losses) == 3 and all(x == x for x in losses)

@@ -21,6 +21,8 @@ class TrainConfig:
     offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
     kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
+    sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
+    sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
@@ -36,10 +38,14 @@ class TrainConfig:
         checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("steps", self.steps, 1),
                   ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
                   ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
-                  ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0)]
+                  ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),
+                  ("sparse_budget", self.sparse_budget, 0)]
         for name, value, low in checks:
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
+        if self.sparse_budget and self.sparse_chunk_budget < self.sparse_budget:
+            raise ValueError(f"sparse_chunk_budget={self.sparse_chunk_budget} must be >= sparse_budget="
+                             f"{self.sparse_budget}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.kv_grad_dtype not in ("float32", "bfloat16"):

@@ -8,6 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..attention.sparse import TopKPages
 from ..engine import ChunkRecurrentEngine
 from ..parallel import all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count, init_distributed
 from ..presets import load_model
@@ -42,6 +43,12 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     return model
 
 
+def sparse_config(cfg: TrainConfig) -> TopKPages | None:
+    if not cfg.sparse_budget:
+        return None
+    return TopKPages(budget=cfg.sparse_budget, chunk_budget=cfg.sparse_chunk_budget)
+
+
 def lr_lambda(cfg: TrainConfig):
     """Linear warm-up, then cosine decay to 10 % of the peak."""
     def f(step: int) -> float:
@@ -73,7 +80,7 @@ def train(cfg: TrainConfig) -> list[float]:
         apply_tensor_parallel(model, mesh["tp"])
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
-                                  checkpoint_layers=cfg.checkpoint_layers)
+                                  checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg))
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     vocab = engine.adapter.vocab_size
     params = [p for p in model.parameters() if p.requires_grad]
@@ -91,7 +98,9 @@ def train(cfg: TrainConfig) -> list[float]:
         print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
               f"on {device}{layout}, backend {engine.backend}, offload {cfg.offload}, "
               f"{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
-              f"chunk {cfg.chunk_size}, page {cfg.page_size}, {cfg.steps} steps", flush=True)
+              f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
+              f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
+              f"{cfg.steps} steps", flush=True)
     logger = StepLogger(cfg.steps, device)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     losses = []
