@@ -29,10 +29,10 @@ def _worker(rank, world, port, mode, out):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    mesh = init_distributed(tp=world if mode == "tp" else 1)
-    model = make_model("qwen2_tp")
+    mesh = init_distributed(tp=world if mode.startswith("tp") else 1)
+    model = _model(mode)
     ids, labels = _batch()
-    if mode == "tp":
+    if mode.startswith("tp"):
         apply_tensor_parallel(model, mesh["tp"])
     else:  # dp: each rank its own sequence, normalised by the global count
         ids, labels = ids[rank : rank + 1], labels[rank : rank + 1]
@@ -43,11 +43,21 @@ def _worker(rank, world, port, mode, out):
     if mode == "dp":
         dist.all_reduce(loss, group=mesh["dp"].get_group())
         all_reduce_gradients(model, mesh["dp"].get_group())
-    grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if rank == 0:
         torch.save({"loss": loss, "grads": grads, "kv_heads": engine.spec.n_kv_heads}, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _model(mode):
+    model = make_model("qwen2_tp")
+    if mode == "tp_lora":  # adapters on every projection, non-zero B so that every path carries gradient
+        import peft
+        model = peft.get_peft_model(model, peft.LoraConfig(
+            r=4, lora_alpha=8, init_lora_weights=False,
+            target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]))
+    return model
 
 
 def _free_port():
@@ -56,16 +66,16 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["dp", "tp"])
+@pytest.mark.parametrize("mode", ["dp", "tp", "tp_lora"])
 def test_two_processes_equal_one(mode, tmp_path):
-    model = make_model("qwen2_tp")
+    model = _model(mode)
     ids, labels = _batch()
     ref = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch").forward_backward(ids, labels)
-    ref_grads = {n: p.grad for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     out = tmp_path / "rank0.pt"
     mp.spawn(_worker, args=(2, _free_port(), mode, str(out)), nprocs=2, join=True)
     got = torch.load(out)
-    if mode == "tp":
+    if mode.startswith("tp"):
         assert got["kv_heads"] == 1  # each rank keeps the pages of its own KV head only
     assert rel_err(got["loss"], ref.loss) <= TOL
     for n, g in ref_grads.items():

@@ -50,11 +50,36 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
             raise ValueError(f"{name}={count} is not divisible by the tensor-parallel degree {size}; "
                              f"use a degree that divides {count}")
     for layer in adapter.layers:
-        plan = {f"self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")}
-        plan["self_attn.o_proj"] = RowwiseParallel()
-        plan.update({f"mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
-        plan["mlp.down_proj"] = RowwiseParallel()
+        plan = {}
+        for name, style in (("self_attn.q_proj", "col"), ("self_attn.k_proj", "col"), ("self_attn.v_proj", "col"),
+                            ("self_attn.o_proj", "row"), ("mlp.gate_proj", "col"), ("mlp.up_proj", "col"),
+                            ("mlp.down_proj", "row")):
+            plan.update(_linear_plan(layer, name, style))
         parallelize_module(layer, tp_mesh, plan)
+
+
+def _linear_plan(layer: nn.Module, name: str, style: str) -> dict:
+    """Plan entries for one projection: the Linear itself, or a PEFT LoRA layer's pieces.
+
+    LoRA (y = W x + B A x): column-parallel W shards its outputs, so B shards its outputs the
+    same way and A stays whole (its input gradient is summed over ranks by DTensor at B's
+    input); row-parallel W shards its inputs, so A shards its inputs (its partial outputs are
+    all-reduced) and B stays whole. Every adapter weight then gets its exact gradient.
+    """
+    parallel = ColwiseParallel if style == "col" else RowwiseParallel
+    module = layer.get_submodule(name)
+    if isinstance(module, nn.Linear):
+        return {name: parallel()}
+    base = getattr(module, "base_layer", None)
+    lora_a, lora_b = getattr(module, "lora_A", None), getattr(module, "lora_B", None)
+    extras = [n for n in ("lora_magnitude_vector", "lora_embedding_A") if getattr(module, n, None)]
+    if not isinstance(base, nn.Linear) or lora_a is None or lora_b is None or extras:
+        raise ValueError(f"tensor parallelism supports nn.Linear and PEFT LoRA on nn.Linear; {name} is "
+                         f"{type(module).__name__}{' with ' + ', '.join(extras) if extras else ''}")
+    plan = {f"{name}.base_layer": parallel()}
+    sharded = lora_b if style == "col" else lora_a
+    plan.update({f"{name}.{'lora_B' if style == 'col' else 'lora_A'}.{key}": parallel() for key in sharded})
+    return plan
 
 
 def global_token_count(labels: torch.Tensor, dp_group=None) -> int:
