@@ -90,6 +90,14 @@ def test_tp_degree_must_divide_heads():
         apply_tensor_parallel(make_model("qwen2_tp"), Mesh())
 
 
+def test_tp_refuses_moe_layers_clearly():
+    class Mesh:
+        def size(self):
+            return 2
+    with pytest.raises(ValueError, match=r"no mlp.gate_proj \(GPT-OSS's experts are not split\)"):
+        apply_tensor_parallel(make_model("gpt_oss"), Mesh())
+
+
 def test_torchrun_tensor_parallel_training_resumes_exactly(tmp_path):
     """`torchrun -m oomb.cli train --tp 2` end to end: rank-0 logs, per-rank optimizer state,
     and a resumed run reproduces the uninterrupted run's last loss."""

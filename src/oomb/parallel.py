@@ -67,7 +67,12 @@ def _linear_plan(layer: nn.Module, name: str, style: str) -> dict:
     all-reduced) and B stays whole. Every adapter weight then gets its exact gradient.
     """
     parallel = ColwiseParallel if style == "col" else RowwiseParallel
-    module = layer.get_submodule(name)
+    try:
+        module = layer.get_submodule(name)
+    except AttributeError:
+        raise ValueError(f"tensor parallelism splits the attention and dense-MLP projections of Qwen2/Llama/Qwen3 "
+                         f"layers; this model's layers have no {name} (GPT-OSS's experts are not split): "
+                         "train it data-parallel (--tp 1)") from None
     if isinstance(module, nn.Linear):
         return {name: parallel()}
     base = getattr(module, "base_layer", None)
