@@ -33,12 +33,16 @@ def parse_args():
     return ap.parse_args()
 
 
-def bench_paged(n_keys: int, c: int) -> dict:
+def bench_paged(n_keys: int, c: int, outputs: bool = False) -> dict:
+    """Times of the paged forward and backward launchers; `outputs`: also their results (o, dq,
+    dk, dv of the chunk) on seeded inputs, for comparing configurations."""
     from triton.testing import do_bench
 
     from oomb.attention.paged import _backward, _forward
     from oomb.memory.spec import LayerPages
 
+    if outputs:
+        torch.manual_seed(0)
     n_pages = n_keys // PAGE_SIZE
     dev, dt = "cuda", torch.bfloat16
     q = torch.randn(1, c, H, D, device=dev, dtype=dt).transpose(1, 2)  # (B, H, C, D) as the model gives it
@@ -59,7 +63,10 @@ def bench_paged(n_keys: int, c: int) -> dict:
     bwd_ms = do_bench(lambda: _backward(do, q, k, v, o, lse, pages, scale), return_mode="median")
     # FLOPs: 2 matmuls of 2*M*N*D per head over the pages, half that (causal) over the chunk.
     flops = 4 * c * n_keys * D * H + 2 * c * c * D * H
-    return {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": flops}
+    result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": flops}
+    if outputs:
+        result["outputs"] = [o, *_backward(do, q, k, v, o, lse, pages, scale)]
+    return result
 
 
 def bench_sdpa(n_keys: int, c: int, backend) -> dict:

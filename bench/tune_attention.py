@@ -1,0 +1,69 @@
+"""Sweep the paged kernels' tile configurations at the benchmark shape (4,096 queries, 28/4
+heads, head_dim 128, bf16, 64K earlier keys) and print them fastest first, each checked against
+the current configuration's output. Feeds `_fwd_config` / `_bwd_config` in attention/paged.py.
+
+    python bench/tune_attention.py --keys 65536 --out $OUT/tune.jsonl
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_attention import bench_paged  # noqa: E402
+from common import append_results, run_info  # noqa: E402
+
+from oomb.attention import paged  # noqa: E402
+
+FWD = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
+       for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)) if not (m == 64 and w == 8)]
+BWD = [dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=w, num_stages=s)
+       for (m1, n1), (m2, n2), w, s in itertools.product(((32, 128), (64, 128), (64, 64)),
+                                                          ((128, 64), (128, 32), (64, 64)), (4, 8), (2, 3))]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--keys", type=int, default=65536)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune.jsonl"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("tune_attention.py needs a CUDA GPU")
+    info, rows = run_info(), []
+    default_fwd, default_bwd = paged._fwd_config, paged._bwd_config
+    reference = bench_paged(args.keys, 4096, outputs=True)["outputs"]  # the current configuration's
+    for kind, configs in (("fwd", FWD), ("bwd", BWD)):
+        for cfg in configs:
+            if kind == "fwd":
+                paged._fwd_config = lambda q, d, cfg=cfg: cfg
+            else:
+                paged._bwd_config = lambda q, d, cfg=cfg: cfg
+            row = {"kind": kind, "N": args.keys, **cfg}
+            try:
+                r = bench_paged(args.keys, 4096, outputs=True)
+                ms = r[f"{kind}_ms"]
+                err = max((a.float() - b.float()).abs().max().item() for a, b in zip(r["outputs"], reference))
+                row.update(ms=round(ms, 3), tflops=round((1 if kind == "fwd" else 2.5) * r["flops"] / ms / 1e9, 1),
+                           max_err=err)
+            except Exception as ex:  # noqa: BLE001 - a config that does not compile is a result
+                row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
+            paged._fwd_config, paged._bwd_config = default_fwd, default_bwd
+            row.update(info)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    append_results(args.out, rows)
+    for kind in ("fwd", "bwd"):
+        ok = sorted((r for r in rows if r["kind"] == kind and "tflops" in r), key=lambda r: -r["tflops"])
+        print(f"\n{kind}: fastest first (TFLOP/s, max |diff| vs the current config's output)")
+        for r in ok[:8]:
+            cfg = {k: v for k, v in r.items() if k.startswith(("BLOCK", "num_"))}
+            print(f"  {r['tflops']:7.1f}  {r['max_err']:.2e}  {cfg}")
+
+
+if __name__ == "__main__":
+    main()
