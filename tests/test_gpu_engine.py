@@ -60,13 +60,19 @@ def test_bf16_engine_matches_full_sequence_at_8k(wide_model):
 
 def test_deterministic_and_offload_identical(wide_model):
     ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    # 6000 tokens, chunk 1024: 5 stored chunks x 8 pages = 40 pages a layer, so 'auto' keeps
+    # layer 0 on the GPU and layer 1 on the host.
+    assert_offload_modes_identical(wide_model, ids, group_pages=3)
+
+
+def assert_offload_modes_identical(model, ids, **engine_kwargs):
+    """Two runs with offload 'none', one 'all', one 'auto' (one of the 2 layers on the host):
+    torch.equal losses and gradients (deterministic kernels, exact transfers)."""
     runs = {}
     for name, kwargs in [("none", {}), ("none again", {}), ("all", {"offload": "all"}),
                          ("auto", {"offload": "auto", "gpu_page_budget_bytes": 40 * PAGE_BYTES})]:
-        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, group_pages=3, **kwargs)
-        runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
-    # 6000 tokens, chunk 1024: 5 stored chunks x 8 pages = 40 pages a layer, so 'auto' keeps
-    # layer 0 on the GPU and layer 1 on the host.
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=1024, page_size=128, **engine_kwargs, **kwargs)
+        runs[name] = (engine.forward_backward(ids).loss, grads_of(model))
     loss0, g0 = runs["none"]
     for name, (loss, g) in runs.items():
         assert torch.equal(loss, loss0), name
@@ -114,17 +120,7 @@ def test_sparse_bf16_dense_budget_and_determinism(wide_model):
     for n in truth:
         e_sparse, e_dense = rel_err(g_full[n], truth[n]), rel_err(g_dense[n], truth[n])
         assert e_sparse <= 3 * e_dense + 1e-3, f"{n}: sparse {e_sparse:.2e} vs dense {e_dense:.2e}"
-    runs = {}
-    cfg = oomb.TopKPages(budget=4, chunk_budget=9)
-    for name, kwargs in [("none", {}), ("none again", {}), ("all", {"offload": "all"}),
-                         ("auto", {"offload": "auto", "gpu_page_budget_bytes": 40 * PAGE_BYTES})]:
-        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, sparse=cfg, **kwargs)
-        runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
-    loss0, g0 = runs["none"]
-    for name, (loss, g) in runs.items():
-        assert torch.equal(loss, loss0), name
-        for n in g0:
-            assert torch.equal(g[n], g0[n]), f"{name}: {n}"
+    assert_offload_modes_identical(wide_model, ids, sparse=oomb.TopKPages(budget=4, chunk_budget=9))
 
 
 def test_gpt_oss_bf16_matches_full_sequence():
