@@ -7,9 +7,10 @@ representatives (the maximum over the query heads of the KV head's group) and ke
 pages: the first `sink_pages` always, the best-scoring others after them. The blocks of one
 chunk choose among the chunk's `chunk_budget` best pages (best for any of its blocks and
 heads): that union is all a chunk reads of a layer, so offload moves only these pages, a
-bounded number per layer and chunk. The chunk itself is always attended (causally). Selection happens in stage 1 and is kept for stage 2, so forward
-and backward see the same pattern and gradients are exact for it; with budget >= the number of
-earlier pages the result is dense attention.
+bounded number per layer and chunk. The chunk itself is always attended (causally). Selection
+happens in stage 1 and is kept for stage 2, so forward and backward see the same pattern and
+gradients are exact for it; with budget >= the number of earlier pages the result is dense
+attention.
 """
 from __future__ import annotations
 
