@@ -103,8 +103,9 @@ def test_plan_placement_and_longest_context(capsys):
     gib = 2**30
     none = place(p, 28, "none", 140 * gib, 110 * gib)
     assert none.gpu == fixed + p.pages and none.host == 0 and not none.fits  # 112 GiB of pages + 56 GiB
-    every = place(p, 28, "all", 140 * gib, 120 * gib, page_bytes=10)
-    assert every.host == p.pages and every.gpu == fixed + 2 * 256 * 10 and every.fits
+    every = place(p, 28, "all", 140 * gib, 120 * gib)
+    assert p.page_bytes == 4 * 128 * 128 * 2 * (2 + 2)  # K, V, dK, dV bf16
+    assert every.host == p.pages and every.gpu == fixed + 2 * 256 * p.page_bytes and every.fits
     auto = place(p, 28, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer

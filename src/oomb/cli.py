@@ -50,7 +50,6 @@ def parse_bytes(text: str) -> int:
 def cmd_plan(args) -> None:
     from transformers import AutoConfig
 
-    from .memory.spec import PageSpec
     from .plan import human_bytes, longest_context, place, plan
     from .presets import PRESETS, preset_config
 
@@ -58,8 +57,6 @@ def cmd_plan(args) -> None:
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
     trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
     opt_bytes = 8 if args.optimizer == "adamw" else 0
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    page_bytes = PageSpec(args.page_size, config.num_key_value_heads, head_dim, torch.bfloat16, grad_dtype).page_bytes
 
     def step_plan(seq_len):
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
@@ -67,8 +64,7 @@ def cmd_plan(args) -> None:
                     checkpoint_layers=args.checkpoint_layers)
 
     def placement(seq_len):
-        return place(step_plan(seq_len), config.num_hidden_layers, args.offload, args.gpu_memory, args.host_memory,
-                     page_bytes=page_bytes)
+        return place(step_plan(seq_len), config.num_hidden_layers, args.offload, args.gpu_memory, args.host_memory)
 
     for seq_len in args.seq_len:
         p = step_plan(seq_len)
@@ -90,8 +86,9 @@ def cmd_plan(args) -> None:
 
 def lora_params(config, rank: int) -> int:
     """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o)."""
-    hidden = config.hidden_size
-    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    from .plan import head_dim_of
+
+    hidden, head_dim = config.hidden_size, head_dim_of(config)
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     per_layer = rank * ((hidden + q) + 2 * (hidden + kv) + (q + hidden))
     return config.num_hidden_layers * per_layer

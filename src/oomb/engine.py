@@ -29,11 +29,9 @@ from .memory.spec import PageSpec
 from .memory.offload import available_host_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .plan import human_bytes, plan
+from .plan import GPU_MARGIN_BYTES, human_bytes, plan
 
 OFFLOAD_MODES = ("none", "all", "auto")
-#: device memory kept free beside the pages under offload 'auto' (allocator slack, kernels)
-AUTO_MARGIN_BYTES = 2 * 2**30
 
 
 @dataclass
@@ -271,7 +269,7 @@ class ChunkRecurrentEngine:
                            dtype=self.spec.dtype, trainable_params=trainable,
                            checkpoint_layers=self.checkpoint_layers).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
-        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - AUTO_MARGIN_BYTES)
+        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - GPU_MARGIN_BYTES)
 
     def _free_gpu_bytes(self) -> int:
         """Free device memory, counting what the caching allocator holds but does not use."""

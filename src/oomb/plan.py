@@ -26,6 +26,7 @@ class MemoryPlan:
     chunk_activations: int  # estimate: one chunk's recompute under autograd
     logits_slice: int  # one slice of fp32 logits and its gradient
     embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
+    page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
 
     @property
     def working_set(self) -> int:
@@ -69,7 +70,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    head_dim = head_dim_of(config)
     item = torch.empty((), dtype=dtype).element_size()
     n_params = _count_params(config, head_dim)
     trainable = n_params if trainable_params is None else trainable_params
@@ -92,7 +93,13 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
                                     else n_layers * per_token_layer),
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
+        page_bytes=spec.page_bytes,
     )
+
+
+def head_dim_of(config) -> int:
+    """A transformers config's attention head size (explicit, or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 @dataclass
@@ -120,13 +127,13 @@ GPU_MARGIN_BYTES = 2 * 2**30
 
 
 def place(p: MemoryPlan, n_layers: int, offload: str, gpu_capacity: int, host_capacity: int,
-          staging_pages: int = 256, page_bytes: int = 0) -> Placement:
+          staging_pages: int = 256) -> Placement:
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
     while they fit, the rest on the host."""
     fixed = p.weights + p.grads + p.optimizer + p.working_set + GPU_MARGIN_BYTES
     layer = p.pages // max(1, n_layers)
-    staging = 2 * staging_pages * p.batch * page_bytes
+    staging = 2 * staging_pages * p.batch * p.page_bytes
     if offload == "none":
         on_gpu = n_layers
     elif offload == "all":
