@@ -21,6 +21,7 @@ import resource
 import subprocess
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -58,6 +59,9 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False):
+    """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
+    oomb's page pool and pinned host arena ready for that length, as a training run does once
+    before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
     if impl in OOMB_OFFLOAD:
         import oomb
 
@@ -66,14 +70,14 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers)
-        return lambda ids: engine.forward_backward(ids).loss
+        return (lambda ids: engine.forward_backward(ids).loss), partial(engine.reserve, 1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def hf_step(ids):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss
-    return hf_step
+    return hf_step, lambda tokens: None
 
 
 def _profiled(enabled: bool, out_dir: str, impl: str):
@@ -90,11 +94,14 @@ def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
     model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device)
-    step = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers)
-    vocab = model.config.vocab_size
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
+    step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers)
+    vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
+    t0 = time.perf_counter()
+    reserve(max(args.lengths))
+    reserve_s = round(time.perf_counter() - t0, 1)
     for length in args.lengths:
         ids = torch.randint(0, vocab, (1, length), device=args.device)
         if cuda:
@@ -106,7 +113,8 @@ def worker(args) -> None:
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
-               "weights_gib": weights_gib and round(weights_gib, 2)}
+               "weights_gib": weights_gib and round(weights_gib, 2),
+               "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
         try:
             with _profiled(profile, args.profile, args.impl) as prof:

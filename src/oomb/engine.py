@@ -50,7 +50,8 @@ class ChunkRecurrentEngine:
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
                  backend: str = "auto", offload: str = "none", sparse=None,
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
-                 gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False) -> None:
+                 gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
+                 reserved_gpu_bytes: int = 0) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -75,6 +76,9 @@ class ChunkRecurrentEngine:
         self.page_size = page_size
         self.offload = offload
         self.gpu_page_budget_bytes = gpu_page_budget_bytes
+        # Device memory the caller allocates later (optimizer state): 'auto' leaves it free.
+        self.reserved_gpu_bytes = reserved_gpu_bytes
+        self._budget: int | None = None  # 'auto' page bytes, fixed at the first step or reserve()
         self.sparse = sparse
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
@@ -258,18 +262,31 @@ class ChunkRecurrentEngine:
         self.store.begin_step(batch, max_pages)
 
     def _page_budget(self) -> int:
-        """Device bytes pages may take under offload 'auto'."""
+        """Device bytes pages may take under offload 'auto'.
+
+        Decided once, at the first step (or reserve()): what is free then, less what is
+        still to come (parameter gradients not allocated yet, `reserved_gpu_bytes`), one
+        chunk's working set and a margin. Fixed afterwards, so every step places its pages
+        the same way and the pinned host arena is reused, not re-pinned.
+        """
         if self.gpu_page_budget_bytes is not None:
             return self.gpu_page_budget_bytes
         if self.device.type != "cuda":
             return 2**62  # a CPU model: host and "device" are the same memory
+        if self._budget is None:
+            self._budget = self._free_budget()
+        return self._budget
+
+    def _free_budget(self) -> int:
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
         working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
                            checkpoint_layers=self.checkpoint_layers).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
-        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - GPU_MARGIN_BYTES)
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad and p.grad is None)
+        later = grads + self.reserved_gpu_bytes
+        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - later - GPU_MARGIN_BYTES)
 
     def _free_gpu_bytes(self) -> int:
         """Free device memory, counting what the caching allocator holds but does not use."""

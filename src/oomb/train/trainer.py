@@ -78,12 +78,14 @@ def train(cfg: TrainConfig) -> list[float]:
     model = build_model(cfg, device)
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    adam_state = 2 * sum(p.numel() * p.element_size() for p in params)  # exp_avg, exp_avg_sq, made at step 1
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
-                                  checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg))
+                                  checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
+                                  reserved_gpu_bytes=adam_state)
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     vocab = engine.adapter.vocab_size
-    params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
