@@ -49,7 +49,11 @@ def step_table(rows: list[dict]) -> str:
         return "_no step results yet_"
     rows = [{**r, "impl": _label(r)} for r in rows if not r.get("profiled")]
     out = []
-    for (commit, date, gpu), run in by_run(rows).items():
+    runs = defaultdict(list)  # a table per run and model configuration
+    for key, run in by_run(rows).items():
+        for r in run:
+            runs[key + (r.get("model", "qwen2.5-7b"), r.get("lora_rank") or 0, r.get("layers", 28))].append(r)
+    for (commit, date, gpu, *_), run in runs.items():
         def rank(i):
             base = i.split(" ")[0]
             return IMPL_ORDER.index(base) if base in IMPL_ORDER else len(IMPL_ORDER), i

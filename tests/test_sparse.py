@@ -112,6 +112,14 @@ def test_sparse_offload_identical_to_device_pool(backend):
     assert engine.store.host.staging[0][0].shape[0] == 3 * 2  # chunk_budget pages x batch 2
     assert torch.equal(loss, loss_all)
     assert all(torch.equal(grads[n], grads_all[n]) for n in grads)
+    # 'auto' with room for one layer: layer 0's pages and representatives in the device pool,
+    # layers 1 and 2's (representatives included) on the host
+    one_layer = engine.store.layer_page_bytes * 2 * 12  # batch 2 x 12 pages (3 stored chunks of 4)
+    engine, loss_auto, grads_auto = run(model, ids, cfg, backend, group_pages=3, offload="auto",
+                                        gpu_page_budget_bytes=one_layer)
+    assert engine.store.host.layers == [1, 2] and engine.store.reps.shape[0] == 1
+    assert torch.equal(loss, loss_auto)
+    assert all(torch.equal(grads[n], grads_auto[n]) for n in grads)
 
 
 def test_copy_rows_kernel_gathers_and_scatters():

@@ -248,7 +248,7 @@ class ChunkRecurrentEngine:
 
     def _begin_step(self, batch: int, max_pages: int) -> None:
         self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
-        layer_bytes = batch * max_pages * self.spec.page_bytes  # one full layer's pages for the step
+        layer_bytes = batch * max_pages * self.store.layer_page_bytes  # one full layer's pages for the step
         # Windowed layers' few pages always stay on the device; full layers may go to the host.
         full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
         if self.offload == "none":

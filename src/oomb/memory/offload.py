@@ -5,6 +5,7 @@ Host arena, one block per layer and buffer, allocated once (pinned on CUDA: pinn
 and a group's pages are each one contiguous range:
     k, v    (max_pages, B, Hkv, P, D)  model dtype
     dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
+    reps    (max_pages, B, Hkv, R, D)  model dtype, sparse attention's page representatives
 GPU staging, two buffers (double buffering) of `group_pages` pages:
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
 
@@ -21,6 +22,9 @@ layer's projections in forward and when its backward starts), so it hides behind
 A chunk's host dK/dV pages are zeroed when its K/V are written (a copy from a zero buffer on
 the device: no host-thread memset), so every later read of them is valid, whichever pages a
 sliding window or a sparse selection happens to reach.
+Sparse attention's representatives of a host layer live on the host too (so GPU memory does not
+grow with the context by them): a selection loads the layer's [0, n) into one reused device
+buffer, on the copy stream after the compute before it.
 Sparse attention reads only a chunk's candidate pages, scattered over the arena: they are
 staged as one group by `copy_rows`, a kernel that reads the pinned pages directly (and writes
 their dK/dV back the same way), from a row list computed on the GPU: no host sync, one launch.
@@ -38,15 +42,17 @@ from .spec import LayerPages, PageSpec
 
 
 class HostPages:
-    def __init__(self, spec: PageSpec, layers: list[int], device: torch.device, group_pages: int) -> None:
+    def __init__(self, spec: PageSpec, layers: list[int], device: torch.device, group_pages: int,
+                 rep_size: int = 0) -> None:
         self.spec = spec
+        self.rep_size = rep_size  # vectors per page and KV head of sparse representatives (0: dense)
         self.layers = layers
         self.device = torch.device(device)
         self.group_pages = group_pages
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> GPU
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv]
+        self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
         self.ready = [self._event(), self._event()]
@@ -57,11 +63,19 @@ class HostPages:
 
     # -- sizes ----------------------------------------------------------------------------
 
-    def host_bytes(self, batch: int, max_pages: int) -> int:
-        return len(self.layers) * batch * max_pages * self.spec.page_bytes
+    @property
+    def rep_bytes(self) -> int:
+        """Bytes of one page's representatives (all KV heads)."""
+        s = self.spec
+        return self.rep_size * s.n_kv_heads * s.head_dim * s.dtype.itemsize
 
-    def staging_bytes(self, batch: int) -> int:
-        return 2 * self.group_pages * batch * self.spec.page_bytes if self.layers else 0
+    def host_bytes(self, batch: int, max_pages: int) -> int:
+        return len(self.layers) * batch * max_pages * (self.spec.page_bytes + self.rep_bytes)
+
+    def staging_bytes(self, batch: int, max_pages: int = 0) -> int:
+        if not self.layers:
+            return 0
+        return 2 * self.group_pages * batch * self.spec.page_bytes + batch * max_pages * self.rep_bytes
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         if not self.layers:
@@ -75,6 +89,12 @@ class HostPages:
                 layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)]
                 for layer in self.layers
             }
+            self.rep_staging = None
+            if self.rep_size:
+                reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
+                for layer in self.layers:
+                    self.arena[layer].append(torch.empty(reps, dtype=s.dtype, pin_memory=pin))
+                self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [[torch.empty(slots, dtype=dt, device=self.device)
                              for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)] for _ in range(2)]
@@ -87,7 +107,7 @@ class HostPages:
 
     def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, Hkv, n*P, D) on the device -> host pages [first_page, first_page + n)."""
-        host_k, host_v, host_dk, host_dv = self.arena[layer]
+        host_k, host_v, host_dk, host_dv = self.arena[layer][:4]
         n = k.shape[2] // self.spec.page_size
         for x, dst in ((k, host_k), (v, host_v)):
             b, h, t, d = x.shape
@@ -100,6 +120,23 @@ class HostPages:
         with self._on_copy_stream(after_compute=True):  # the zero buffer was made on the compute stream
             host_dk[first_page : first_page + n].copy_(zeros, non_blocking=True)
             host_dv[first_page : first_page + n].copy_(zeros, non_blocking=True)
+
+    def write_reps(self, layer: int, first_page: int, reps: torch.Tensor) -> None:
+        """reps: (B, n, Hkv, R, D) on the device -> the host's [first_page, first_page + n)."""
+        pages = reps.transpose(0, 1).contiguous()  # (n, B, Hkv, R, D)
+        with self._on_copy_stream(after_compute=True):
+            self.arena[layer][4][first_page : first_page + pages.shape[0]].copy_(pages, non_blocking=True)
+        if self.cuda:
+            pages.record_stream(self.copy_stream)
+
+    def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
+        """(B, n_pages, Hkv, R, D) on the device, valid on the current stream until the next call."""
+        staged = self.rep_staging[:n_pages]
+        with self._on_copy_stream(after_compute=True):  # after the last selection read the buffer
+            staged.copy_(self.arena[layer][4][:n_pages], non_blocking=True)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        return staged.transpose(0, 1)
 
     def _zero_pages(self, n: int) -> torch.Tensor:
         if self._zeros is None or self._zeros.shape[0] < n or self._zeros.shape[1] != self.batch:
@@ -121,7 +158,7 @@ class HostPages:
         out = []
         if self.cuda:
             self.copy_stream.wait_stream(self.d2h_stream)  # the last write-back of these pages
-        for host in self.arena[layer][2:]:
+        for host in self.arena[layer][2:4]:
             with self._on_copy_stream(after_compute=False):
                 x = host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
             if self.cuda:

@@ -29,9 +29,10 @@ class PagedKVStore:
                  chunk_pages: int = 0, selected_pages: int = 0) -> None:
         self.spec = spec
         self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
-        # Sparse attention: one representative per page and KV head, kept on the device for
-        # every layer (a few KiB a page), logically indexed: (layers, B, max_pages, Hkv, R, D).
+        # Sparse attention: one representative per page and KV head (a few KiB a page), logically
+        # indexed, (device layers, B, max_pages, Hkv, R, D); host layers keep theirs on the host.
         self.representative = representative
+        self.rep_size = 0 if representative is None else 2 if representative == "minmax" else 1
         self.reps = None
         self.n_layers = n_layers
         self.device = torch.device(device)
@@ -45,7 +46,7 @@ class PagedKVStore:
         self.dv = torch.empty_like(self.dk)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
         self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
-        self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages))
+        self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages), self.rep_size)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._chunk_slots: dict[int, list[int]] = {}
 
@@ -55,7 +56,8 @@ class PagedKVStore:
         """Keep the pages of `host_layers` on the host, the others in the device pool."""
         host_layers = sorted(layer for layer in host_layers if layer not in self.tail_pages)
         if host_layers != self.host.layers:
-            self.host = HostPages(self.spec, host_layers, self.device, max(self.group_pages, self.selected_pages))
+            self.host = HostPages(self.spec, host_layers, self.device, max(self.group_pages, self.selected_pages),
+                                  self.rep_size)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
 
@@ -75,11 +77,16 @@ class PagedKVStore:
         if self.table.shape != (len(self._row), batch, max_pages):
             self.table = torch.full((len(self._row), batch, max_pages), -1, dtype=torch.int32, device=self.device)
         self.host.begin_step(batch, max_pages)
-        if self.representative is not None:
-            r = 2 if self.representative == "minmax" else 1
-            shape = (self.n_layers, batch, max_pages, self.spec.n_kv_heads, r, self.spec.head_dim)
-            if self.reps is None or self.reps.shape[1] != batch or self.reps.shape[2] < max_pages:
+        if self.rep_size:
+            shape = (len(self._row), batch, max_pages, self.spec.n_kv_heads, self.rep_size, self.spec.head_dim)
+            if self.reps is None or self.reps.shape[:2] != shape[:2] or self.reps.shape[2] < max_pages:
+                self.reps = None
                 self.reps = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one page of one layer: K, V, dK, dV and the sparse representatives."""
+        return self.spec.page_bytes + self.host.rep_bytes
 
     def kept(self, layer: int, n_pages: int) -> int:
         """Pages of a chunk of n_pages that `layer` stores."""
@@ -94,7 +101,8 @@ class PagedKVStore:
 
     def device_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the pool for a step, plus the host layers' staging buffers."""
-        return self.device_pages(batch, max_pages) * self.spec.page_bytes + self.host.staging_bytes(batch)
+        reps = len(self._row) * batch * max_pages * self.host.rep_bytes
+        return self.device_pages(batch, max_pages) * self.spec.page_bytes + reps + self.host.staging_bytes(batch, max_pages)
 
     # -- per chunk ------------------------------------------------------------------------
 
@@ -128,10 +136,13 @@ class PagedKVStore:
         """
         assert k.shape[2] % self.spec.page_size == 0, "only whole pages are stored"
         n_pages = k.shape[2] // self.spec.page_size
-        if self.representative is not None:
-            self.reps[layer, :, first_page : first_page + n_pages] = page_representatives(k, n_pages, self.representative)
         if layer not in self._row:
+            if self.rep_size:
+                self.host.write_reps(layer, first_page, page_representatives(k, n_pages, self.representative))
             return self.host.write(layer, first_page, k, v)
+        if self.rep_size:
+            reps = page_representatives(k, n_pages, self.representative)
+            self.reps[self._row[layer], :, first_page : first_page + n_pages] = reps
         skip = n_pages - self.kept(layer, n_pages)  # a windowed layer's pages no window reaches
         k, v = k[:, :, skip * self.spec.page_size :], v[:, :, skip * self.spec.page_size :]
         first_page, n_pages = first_page + skip, n_pages - skip
@@ -163,7 +174,9 @@ class PagedKVStore:
 
     def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
         """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
-        return self.reps[layer, :, :n_pages]
+        if layer not in self._row:
+            return self.host.representatives(layer, n_pages)
+        return self.reps[self._row[layer], :, :n_pages]
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
