@@ -25,3 +25,26 @@ def test_bench_step_smoke(tmp_path):
             losses[r["seq_len"]].add(r["loss"])
     assert all(len(v) == 1 for v in losses.values()), losses
     assert rows[0]["kv_grad_dtype"] == "bf16" and rows[0]["checkpoint_layers"] is True
+
+
+def test_bench_parallel_smoke(tmp_path):
+    """bench_parallel.py under torchrun (gloo, CPU): 1 process, DP=2 and TP=2 run; TP=2 reads
+    the first rank's sequence, so its loss equals the 1-process loss; the report renders them."""
+    out = tmp_path / "parallel.jsonl"
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    for nproc, tp in ((1, 1), (2, 1), (2, 2)):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29517",
+               os.path.join(ROOT, "bench", "bench_parallel.py"), "--device", "cpu", "--model", "tiny", "--tp", str(tp),
+               "--lengths", "512", "--chunk-size", "128", "--page-size", "32", "--out", str(out)]
+        subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["world"], r["tp"], r["dp"]) for r in rows] == [(1, 1, 1), (2, 1, 2), (2, 2, 1)]
+    assert all(r["ok"] and r["tok_s_per_gpu"] > 0 for r in rows)
+    assert rows[2]["loss"] == rows[0]["loss"]
+    assert abs(rows[1]["tok_s"] * rows[1]["step_s"] / (2 * 512) - 1) < 0.05  # DP=2: two sequences a step
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from report import parallel_table
+    lines = parallel_table(rows).splitlines()
+    dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |"))
+    assert dp2.split(" | ")[7].endswith("%")  # DP efficiency against the 1-process row

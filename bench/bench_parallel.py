@@ -1,0 +1,123 @@
+"""Multi-GPU training steps (forward + backward + the data-parallel gradient all-reduce, no
+optimizer) of a preset model with random bf16 weights, under torchrun: seconds per step,
+tokens/s in all and per GPU, peak GPU memory (the largest over ranks). `--tp` ranks share each
+sequence (tensor parallel); the other ranks each take their own sequence (data parallel).
+
+    torchrun --nproc-per-node 4 bench/bench_parallel.py --tp 4 --lengths 1M --impls dense,sparse
+    torchrun --nproc-per-node 1 bench/bench_parallel.py --lengths 256K   # the DP baseline: 1 GPU
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --lengths 256K   # DP=2
+    torchrun --nproc-per-node 4 bench/bench_parallel.py --lengths 256K   # DP=4
+
+DP scaling efficiency = tokens/s per GPU on N GPUs / tokens/s of the 1-GPU run (bench/report.py
+computes it from rows of the same commit). Rank 0 appends one JSON line per (impl, length) to
+--out. `--device cpu --model tiny` runs on gloo (the CI smoke test).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import append_results, run_info  # noqa: E402
+
+import oomb  # noqa: E402
+from oomb.cli import parse_tokens  # noqa: E402
+from oomb.parallel import all_reduce_gradients, apply_tensor_parallel, global_token_count, init_distributed  # noqa: E402
+from oomb.presets import load_model  # noqa: E402
+
+GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tp", type=int, default=1, help="ranks sharing one sequence (tensor parallel)")
+    ap.add_argument("--lengths", default="256K", help="tokens per sequence")
+    ap.add_argument("--impls", default="dense", help="dense, sparse (TopKPages(64)) or both")
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
+    ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
+    ap.add_argument("--device", default="cuda", help="cpu: gloo smoke run (with --model tiny)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "parallel.jsonl"))
+    args = ap.parse_args()
+    if "WORLD_SIZE" not in os.environ:
+        sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 4 bench/bench_parallel.py --tp 4")
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit("bench_parallel.py needs CUDA GPUs (or --device cpu --model tiny for a gloo smoke run)")
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU tensors even on a GPU machine
+    mesh = init_distributed(args.tp)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp_group = mesh["dp"].get_group()
+    dp_rank, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    info = run_info() if rank == 0 else {}
+
+    torch.manual_seed(0)  # the same weights on every rank
+    overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
+    model = load_model(args.model, dtype=torch.bfloat16 if cuda else torch.float32, device=device, **overrides)
+    model.train()
+    if args.tp > 1:
+        apply_tensor_parallel(model, mesh["tp"])
+    lengths = [parse_tokens(x) for x in args.lengths.split(",")]
+    vocab = model.config.vocab_size
+    for impl in args.impls.split(","):
+        if impl not in ("dense", "sparse"):
+            sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size,
+                                           offload=args.offload, kv_grad_dtype=GRAD_DTYPES[args.kv_grad_dtype],
+                                           sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None)
+        warm = torch.randint(0, vocab, (1, min(8192, lengths[0])), device=device)
+        engine.forward_backward(warm)  # kernels compiled, gradients allocated
+        engine.reserve(1, max(lengths))  # pages and pinned host memory, as a training run does once
+        for length in lengths:
+            # Each data-parallel rank its own sequence; the ranks of a TP group the same one.
+            gen = torch.Generator().manual_seed(1000 + dp_rank)
+            ids = torch.randint(0, vocab, (1, length), generator=gen).to(device)
+            model.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            dist.barrier()
+            t0 = time.perf_counter()
+            result = engine.forward_backward(ids, num_tokens=global_token_count(ids, dp_group))
+            all_reduce_gradients(model, dp_group)
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier()
+            dt = time.perf_counter() - t0
+            stats = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, dt],
+                                 dtype=torch.float64, device=device)
+            dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+            loss = result.loss.detach().clone()
+            dist.all_reduce(loss, group=dp_group)
+            if rank == 0:
+                tokens = dp_size * length
+                row = {"bench": "parallel", "impl": impl, "model": args.model, "world": world, "tp": args.tp,
+                       "dp": dp_size, "seq_len": length, "layers": model.config.num_hidden_layers,
+                       "chunk_size": args.chunk_size, "offload": args.offload, "kv_grad_dtype": args.kv_grad_dtype,
+                       "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
+                       "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
+                       "peak_gib": round(float(stats[0]), 2) if cuda else None, "loss": round(float(loss), 4),
+                       **info}
+                print(json.dumps(row), flush=True)
+                append_results(args.out, [row])
+        del engine
+        model.zero_grad(set_to_none=True)
+        if cuda:
+            torch.cuda.empty_cache()
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
