@@ -73,7 +73,7 @@ def step_table(rows: list[dict]) -> str:
                 if r is None:
                     cells += ["", ""]
                 elif r.get("ok"):
-                    peak = "n/a" if r.get("peak_note") else f"{r['peak_gib']:.1f}"
+                    peak = "n/a" if r.get("peak_note") or r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
                     cells += [f"{r['tok_s']:,.0f} ({r['step_s']:g} s)", peak]
                 else:
                     cells += ["OOM" if "memory" in r.get("error", "").lower() else "failed", ""]
