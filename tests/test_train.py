@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+import oomb
 from oomb.cli import main, parse_tokens
 from oomb.train.config import TrainConfig
 from oomb.train.trainer import train
@@ -101,12 +102,12 @@ def test_plan_placement_and_longest_context(capsys):
     p = plan(cfg, 2**20, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0)
     fixed = p.weights + p.grads + p.working_set + GPU_MARGIN_BYTES
     gib = 2**30
-    none = place(p, 28, "none", 140 * gib, 110 * gib)
+    none = place(p, "none", 140 * gib, 110 * gib)
     assert none.gpu == fixed + p.pages and none.host == 0 and not none.fits  # 112 GiB of pages + 56 GiB
-    every = place(p, 28, "all", 140 * gib, 120 * gib)
+    every = place(p, "all", 140 * gib, 120 * gib)
     assert p.page_bytes == 4 * 128 * 128 * 2 * (2 + 2)  # K, V, dK, dV bf16
     assert every.host == p.pages and every.gpu == fixed + 2 * 256 * p.page_bytes and every.fits
-    auto = place(p, 28, "auto", 140 * gib, 110 * gib)
+    auto = place(p, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer
     # LoRA rank 16 on q, k, v, o of 28 layers: A (in x 16) + B (16 x out) each
@@ -116,7 +117,7 @@ def test_plan_placement_and_longest_context(capsys):
         parse_bytes("lots")
 
     def fits(n):
-        return place(plan(cfg, n, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0), 28, "all",
+        return place(plan(cfg, n, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0), "all",
                      140 * gib, 110 * gib).fits
     n = longest_context(fits, 4096)
     assert fits(n) and not fits(n + 4096) and 900_000 < n < 1_100_000  # ~112 KiB of pages a token
@@ -124,3 +125,20 @@ def test_plan_placement_and_longest_context(capsys):
           "--host-memory", "110GiB"])
     out = capsys.readouterr().out
     assert f"longest context that fits with offload all: {n:,} tokens" in out and "does NOT fit" in out
+
+
+def test_plan_counts_what_the_engine_allocates_for_gpt_oss():
+    """Parameters counted on the meta device (experts included), and sliding-window layers'
+    pages only as the tails the engine stores: the plan's pages equal the engine's pool."""
+    from oomb.plan import place, plan
+    from tiny_models import make_model
+    model = make_model("gpt_oss", layers=4)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16)
+    engine.reserve(2, 300)  # 5 chunks: 4 stored
+    p = plan(model.config, 300, batch=2, chunk_size=64, page_size=16, dtype=torch.float32)
+    assert p.weights == 4 * sum(x.numel() for x in model.parameters())
+    assert p.pages == engine.store.pool.n_slots * engine.spec.page_bytes
+    assert p.full_layers == 2 and 0 < p.window_pages < p.pages / 2
+    gib = 2**30
+    every = place(p, "all", 100 * gib, 100 * gib)
+    assert every.host == p.pages - p.window_pages  # full layers' pages go to the host, windows' stay

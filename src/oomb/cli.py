@@ -64,7 +64,7 @@ def cmd_plan(args) -> None:
                     checkpoint_layers=args.checkpoint_layers)
 
     def placement(seq_len):
-        return place(step_plan(seq_len), config.num_hidden_layers, args.offload, args.gpu_memory, args.host_memory)
+        return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
 
     for seq_len in args.seq_len:
         p = step_plan(seq_len)

@@ -282,7 +282,8 @@ class ChunkRecurrentEngine:
         trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
         working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
-                           checkpoint_layers=self.checkpoint_layers).working_set
+                           checkpoint_layers=self.checkpoint_layers,
+                           n_params=sum(p.numel() for p in self.model.parameters())).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad and p.grad is None)
         later = grads + self.reserved_gpu_bytes

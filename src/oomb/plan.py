@@ -7,6 +7,7 @@ recompute), the rest are exact sizes of buffers oomb allocates.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 import torch
 
@@ -27,6 +28,8 @@ class MemoryPlan:
     logits_slice: int  # one slice of fp32 logits and its gradient
     embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
     page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
+    full_layers: int = 0  # layers whose pages may go to the host (full attention)
+    window_pages: int = 0  # bytes of the sliding-window layers' pages (a few per chunk; always on the GPU)
 
     @property
     def working_set(self) -> int:
@@ -61,40 +64,74 @@ class MemoryPlan:
 def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
          trainable_params: int | None = None, optimizer_bytes_per_param: int = 8,
-         checkpoint_layers: bool = False) -> MemoryPlan:
+         checkpoint_layers: bool = False, n_params: int | None = None) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
-    (8 B) per trainable parameter.
+    (8 B) per trainable parameter. n_params: the model's parameter count (default: counted on
+    a meta-device instance of the config, so mixtures of experts are counted right).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = head_dim_of(config)
     item = torch.empty((), dtype=dtype).element_size()
-    n_params = _count_params(config, head_dim)
+    n_params = count_params(config) if n_params is None else n_params
     trainable = n_params if trainable_params is None else trainable_params
     spec = PageSpec(page_size, kv_heads, head_dim, dtype, kv_grad_dtype)
     n_chunks = -(-seq_len // chunk_size)
-    stored_pages = (n_chunks - 1) * (chunk_size // page_size)  # the last chunk is never stored
+    chunk_pages = chunk_size // page_size
+    stored_pages = (n_chunks - 1) * chunk_pages  # the last chunk is never stored
+    # Sliding-window layers keep only the pages of a chunk that a later window reaches (the engine's tails).
+    windows = [_window(config, i) for i in range(n_layers)]
+    layer_pages = [stored_pages if not w else (n_chunks - 1) * min(chunk_pages, -(-(w - 1) // page_size))
+                   for w in windows]
     tokens = batch * min(chunk_size, seq_len)
     # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,
     # MLP gate/up/act inputs (bf16), plus the fp32 RMSNorm intermediates.
-    per_token_layer = item * (6 * hidden + 4 * inter + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
+    # A mixture of experts runs each token through num_experts_per_tok MLPs.
+    mlp = inter * getattr(config, "num_experts_per_tok", 1)
+    per_token_layer = item * (6 * hidden + 4 * mlp + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
         weights=n_params * item,
         grads=trainable * item,
         optimizer=trainable * optimizer_bytes_per_param,
-        kv_pages=n_layers * batch * stored_pages * spec.kv_bytes,
-        grad_pages=n_layers * batch * stored_pages * spec.grad_bytes,
+        kv_pages=sum(layer_pages) * batch * spec.kv_bytes,
+        grad_pages=sum(layer_pages) * batch * spec.grad_bytes,
         # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
         chunk_activations=tokens * (per_token_layer + n_layers * hidden * item if checkpoint_layers
                                     else n_layers * per_token_layer),
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
         page_bytes=spec.page_bytes,
+        full_layers=sum(1 for w in windows if not w),
+        window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
     )
+
+
+def _window(config, layer: int) -> int:
+    """Sliding-window length of a layer in a transformers config, 0 for full attention."""
+    types = getattr(config, "layer_types", None)
+    return config.sliding_window if types and types[layer] == "sliding_attention" else 0
+
+
+def count_params(config) -> int:
+    """Parameters of the model a transformers config describes (built on the meta device)."""
+    return _count_params_json(config.to_json_string())
+
+
+@lru_cache(maxsize=16)
+def _count_params_json(config_json: str) -> int:
+    import json
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    data = json.loads(config_json)
+    config = AutoConfig.for_model(data.pop("model_type"), **data)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())
 
 
 def head_dim_of(config) -> int:
@@ -126,13 +163,14 @@ class Placement:
 GPU_MARGIN_BYTES = 2 * 2**30
 
 
-def place(p: MemoryPlan, n_layers: int, offload: str, gpu_capacity: int, host_capacity: int,
+def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
           staging_pages: int = 256) -> Placement:
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
-    while they fit, the rest on the host."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + GPU_MARGIN_BYTES
-    layer = p.pages // max(1, n_layers)
+    while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU."""
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + GPU_MARGIN_BYTES
+    n_layers = p.full_layers
+    layer = (p.pages - p.window_pages) // max(1, n_layers)
     staging = 2 * staging_pages * p.batch * p.page_bytes
     if offload == "none":
         on_gpu = n_layers
@@ -163,15 +201,3 @@ def human_bytes(n: float) -> str:
         if abs(n) >= size:
             return f"{n / size:.1f} {unit}"
     return f"{n:.0f} B"
-
-
-def _count_params(config, head_dim: int) -> int:
-    hidden, inter = config.hidden_size, config.intermediate_size
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    attn = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if getattr(config, "model_type", "") == "qwen2":
-        attn += head_dim * (heads + 2 * kv_heads)  # q/k/v biases
-    layer = attn + 3 * hidden * inter + 2 * hidden
-    embed = config.vocab_size * hidden
-    head = 0 if config.tie_word_embeddings else embed
-    return config.num_hidden_layers * layer + embed + head + hidden
