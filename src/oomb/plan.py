@@ -89,9 +89,13 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     tokens = batch * min(chunk_size, seq_len)
     # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,
     # MLP gate/up/act inputs (bf16), plus the fp32 RMSNorm intermediates.
-    # A mixture of experts runs each token through num_experts_per_tok MLPs.
-    mlp = inter * getattr(config, "num_experts_per_tok", 1)
-    per_token_layer = item * (6 * hidden + 4 * mlp + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
+    experts = getattr(config, "num_experts_per_tok", 0)
+    if experts:  # each routed copy of a token saves its expert's gate_up (2), clamped gate and up,
+        # sigmoid, glu, up + 1, gated output (inter each) and output (hidden): GPT-OSS's experts
+        mlp = experts * (7 * inter + hidden)
+    else:
+        mlp = 4 * inter
+    per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
         weights=n_params * item,
