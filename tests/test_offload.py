@@ -61,6 +61,23 @@ def test_reserve_allocates_up_front():
     assert engine.store.pool.n_slots == slots and engine.store.host.arena[1][0] is arena
 
 
+def test_shorter_step_keeps_the_pinned_arena():
+    """'auto': a short step puts every layer on the device; the arena reserved for the long
+    steps stays (no re-pinning), and the long step after it computes the same loss."""
+    model = make_model("qwen2", layers=2)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto",
+                                       gpu_page_budget_bytes=2 * 12 * 16 * 256)  # one layer's pages at 200 tokens
+    engine.reserve(2, 200)
+    host, arena = engine.store.host, engine.store.host.arena[1][0]
+    ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(0))
+    first = engine.forward_backward(ids).loss
+    engine.forward_backward(ids[:, :40])  # 2 stored pages a layer: both layers fit the budget
+    assert engine.store._row == {0: 0, 1: 1} and engine.store.host is host
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(engine.forward_backward(ids).loss, first)
+    assert engine.store.host.arena[1][0] is arena and engine.store.host.layers == [1]
+
+
 def test_host_memory_is_checked_before_the_step(monkeypatch):
     import oomb.engine
     monkeypatch.setattr(oomb.engine, "available_host_bytes", lambda: 4 * 2**20)
