@@ -198,3 +198,23 @@ def test_checkpoint_layers_gives_identical_gradients(backend, kwargs):
     assert torch.equal(loss0, loss1) and g0.keys() == g1.keys() and g0
     for n in g0:
         assert torch.equal(g0[n], g1[n]), n
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 4.0},
+    {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+     "original_max_position_embeddings": 64},
+])
+def test_length_dependent_rope_equals_full_sequence(rope):
+    """Dynamic NTK and LongRoPE choose their frequencies from the sequence length: every chunk
+    must rotate as the whole sequence does (a chunk alone shows the rotary module a shorter
+    length, and both cases fail without the engine passing the sequence's)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
+                      vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
+                      rope_parameters={**rope, "rope_theta": 10000.0})
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    ids = random_batch(1, 300)  # well past the 64 positions the frequencies were made for
+    check_against_full_sequence(model, ids, ids, chunk_size=32, page_size=16, backend="torch")

@@ -48,7 +48,7 @@ def masked_full_sequence(model, ids, selection, block):
     a = adapter_for(model)
     b, t = ids.shape
     h = a.embed_tokens(ids)
-    cos, sin = a.rope(h, 0)
+    cos, sin = a.rope(h, 0, t)
     for i, layer in enumerate(a.layers):
         q, k, v = a.project_qkv(layer, h, cos, sin)  # (B, H, T, D), (B, Hkv, T, D)
         n_kv, group = k.shape[1], q.shape[1] // k.shape[1]

@@ -80,6 +80,7 @@ class ChunkRecurrentEngine:
         self.reserved_gpu_bytes = reserved_gpu_bytes
         self._budget: int | None = None  # 'auto' page bytes, fixed at the first step or reserve()
         self.sparse = sparse
+        self._seq_len = 0  # of the step being computed
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
         self.backend = resolve_backend(backend, self.device)
@@ -172,7 +173,7 @@ class ChunkRecurrentEngine:
         a = self.adapter
         first_page = c * (self.chunk_size // self.page_size)
         h = a.embed_tokens(ids)  # (B, C, hidden)
-        cos, sin = a.rope(h, start)
+        cos, sin = a.rope(h, start, self._seq_len)
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
             q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend)
@@ -200,7 +201,7 @@ class ChunkRecurrentEngine:
 
         with torch.enable_grad():
             h = a.embed_tokens(ids)
-            cos, sin = a.rope(h, start)
+            cos, sin = a.rope(h, start, self._seq_len)
             for i, layer in enumerate(a.layers):
                 if self.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
@@ -353,6 +354,7 @@ class ChunkRecurrentEngine:
         if count == 0:
             raise ValueError("labels predict no token (all of labels[:, 1:] are -100); nothing to train on")
         seq_len = input_ids.shape[1]
+        self._seq_len = seq_len  # length-dependent RoPE sees the whole sequence's (adapter.rope)
         bounds = [(s, min(s + self.chunk_size, seq_len)) for s in range(0, seq_len, self.chunk_size)]
         return input_ids, labels, count, bounds
 

@@ -80,10 +80,20 @@ class DecoderAdapter:
 
     # -- the pieces the engine composes ----------------------------------------------------
 
-    def rope(self, h: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions start .. start + C - 1 of the chunk h: (B, C, hidden)."""
-        positions = torch.arange(start, start + h.shape[1], device=h.device)[None]  # (1, C)
-        return self.rotary_emb(h, positions)
+    def rope(self, h: torch.Tensor, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for positions start .. start + C - 1 of the chunk h: (B, C, hidden) of a
+        sequence of seq_len tokens.
+
+        Length-dependent RoPE (dynamic NTK scaling, LongRoPE) picks its frequencies from the
+        largest position it is given; full-sequence training gives it seq_len - 1, so every
+        chunk passes that position too (and drops its row): all chunks rotate alike, as the
+        whole sequence would. Static RoPE types are unaffected.
+        """
+        c = h.shape[1]
+        positions = torch.arange(start, start + c + 1, device=h.device)
+        positions[-1] = max(seq_len - 1, start + c - 1)
+        cos, sin = self.rotary_emb(h, positions[None])  # (1, C + 1, D)
+        return cos[:, :c], sin[:, :c]
 
     def project_qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h: (B, C, hidden) -> q (B, H, C, D), k, v (B, Hkv, C, D); q and k after RoPE."""
