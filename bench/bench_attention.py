@@ -12,14 +12,13 @@ lines (with GPU name, versions, commit, date) to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_results, run_info  # noqa: E402
+from common import record, run_info  # noqa: E402
 
 H, HKV, D, M, PAGE_SIZE = 28, 4, 128, 4096, 128
 
@@ -113,11 +112,9 @@ def main() -> int:
             except Exception as ex:  # noqa: BLE001 - a missing SDPA backend is a result, not a crash
                 row["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
             row.update(info)
-            print(json.dumps(row), flush=True)
+            record(args.out, row)
             rows.append(row)
             torch.cuda.empty_cache()
-
-    append_results(args.out, rows)
 
     print(f"\n{'N':>9} {'paged fwd':>10} {'best sdpa':>10} {'ratio':>6} | {'paged bwd':>10} {'best sdpa':>10} {'ratio':>6}  (TFLOP/s)")
     for n_keys in sorted({r["N"] for r in rows}):

@@ -12,7 +12,6 @@ Rows go to --out (bench/results/step.jsonl: the step table shows them as oomb / 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -20,7 +19,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_results, run_info  # noqa: E402
+from common import record, run_info  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
@@ -92,8 +91,7 @@ def main() -> None:
             else:
                 row.update(compare(reference[length], {n: g.cpu() for n, g in grads.items()}))
             row.update(info)
-            print(json.dumps(row), flush=True)
-            append_results(args.out, [row])
+            record(args.out, row)
         del engine
         model.zero_grad(set_to_none=True)
         if cuda:

@@ -15,7 +15,6 @@ computes it from rows of the same commit). Rank 0 appends one JSON line per (imp
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_results, run_info  # noqa: E402
+from common import record, run_info  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
@@ -109,8 +108,7 @@ def main() -> None:
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
                        "peak_gib": round(float(stats[0]), 2) if cuda else None, "loss": round(float(loss), 4),
                        **info}
-                print(json.dumps(row), flush=True)
-                append_results(args.out, [row])
+                record(args.out, row)
         del engine
         model.zero_grad(set_to_none=True)
         if cuda:

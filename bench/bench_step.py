@@ -26,7 +26,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import append_results, run_info  # noqa: E402
+from common import record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
 
@@ -131,8 +131,7 @@ def worker(args) -> None:
             row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
         row.update(info)
-        print(json.dumps(row), flush=True)
-        append_results(args.out, [row])  # row by row: a run cut short keeps what it measured
+        record(args.out, row)
         for p in model.parameters():
             p.grad = None
         if cuda:

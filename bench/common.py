@@ -28,8 +28,10 @@ def run_info() -> dict:
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
 
 
-def append_results(path: str, rows: list[dict]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+def record(path: str, row: dict) -> None:
+    """Print a result row and append it to the results file at once (a run cut short keeps
+    every row it measured)."""
+    print(json.dumps(row), flush=True)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
+        f.write(json.dumps(row) + "\n")

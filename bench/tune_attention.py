@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import os
 import sys
 
@@ -16,7 +15,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import bench_paged  # noqa: E402
-from common import append_results, run_info  # noqa: E402
+from common import record, run_info  # noqa: E402
 
 from oomb.attention import paged  # noqa: E402
 
@@ -54,9 +53,8 @@ def main() -> None:
                 row["error"] = f"{type(ex).__name__}: {str(ex)[:120]}"
             paged._fwd_config, paged._bwd_config = default_fwd, default_bwd
             row.update(info)
-            print(json.dumps(row), flush=True)
+            record(args.out, row)
             rows.append(row)
-    append_results(args.out, rows)
     for kind in ("fwd", "bwd"):
         ok = sorted((r for r in rows if r["kind"] == kind and "tflops" in r), key=lambda r: -r["tflops"])
         print(f"\n{kind}: fastest first (TFLOP/s, max |diff| vs the current config's output)")
