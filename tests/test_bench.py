@@ -48,3 +48,30 @@ def test_bench_parallel_smoke(tmp_path):
     lines = parallel_table(rows).splitlines()
     dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |"))
     assert dp2.split(" | ")[7].endswith("%")  # DP efficiency against the 1-process row
+
+
+def test_trace_gaps_summary(tmp_path):
+    """trace_gaps.py on a hand-made trace: busy time per stream, the compute stream's idle
+    time and the part of it the copy streams filled, host waits."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from trace_gaps import load_events, summarize
+
+    def ev(cat, name, ts, dur, stream=None):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur,
+                "args": {} if stream is None else {"stream": stream}}
+    trace = {"traceEvents": [
+        ev("kernel", "attn", 0, 10, 7), ev("kernel", "mlp", 20, 10, 7), ev("kernel", "attn", 40, 10, 7),
+        ev("kernel", "copy_rows", 10, 5, 13), ev("gpu_memcpy", "Memcpy HtoD", 35, 3, 13),
+        ev("cuda_runtime", "cudaEventSynchronize", 12, 4), ev("cpu_op", "aten::mm", 0, 3),
+        {"ph": "i", "name": "marker", "ts": 1},
+    ]}
+    path = tmp_path / "t.pt.trace.json"
+    path.write_text(json.dumps(trace))
+    s = summarize(load_events(str(tmp_path)))
+    assert s["compute_stream"] == 7 and abs(s["span_ms"] - 0.050) < 1e-9
+    assert abs(s["compute_idle_ms"] - 0.020) < 1e-9 and abs(s["compute_idle_while_copies_ms"] - 0.008) < 1e-9
+    assert abs(s["streams"][7]["busy_frac"] - 0.6) < 1e-9 and s["streams"][7]["top"][0] == ("attn", 0.02)
+    assert s["host_waits_ms"] == {"cudaEventSynchronize": 0.004}
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trace_gaps.py"), str(path)],
+                         check=True, capture_output=True, text=True).stdout
+    assert "compute stream 7 idle 0.0 ms" in out and "copy_rows" in out

@@ -1,0 +1,108 @@
+"""Where a profiled step's GPU time goes, from a torch.profiler trace (bench_step.py --profile):
+how busy each CUDA stream is, how long the compute stream sits idle and what the copy streams
+and the host were doing meanwhile. Traces are too big to bring back from the GPU machine, so
+this runs there and prints a summary of a few KiB.
+
+    python bench/bench_step.py --impls oomb-sparse-all --lengths 64K --kv-grad-dtype bf16 --profile /tmp/prof
+    python bench/trace_gaps.py /tmp/prof
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+from collections import defaultdict
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+HOST_WAITS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpy",
+              "cudaStreamWaitEvent")
+
+
+def load_events(path: str) -> list[dict]:
+    """Complete ('X') events of a trace file, or of the newest trace in a directory."""
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.json")), key=os.path.getmtime)
+        if not files:
+            raise SystemExit(f"no *.json trace in {path}")
+        path = files[-1]
+    with open(path) as f:
+        data = json.load(f)
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    return [e for e in events if e.get("ph") == "X" and "dur" in e]
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi > end:
+            total += hi - max(lo, end)
+            end = hi
+    return total
+
+
+def gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Idle stretches between the busy intervals of one stream."""
+    out, end = [], None
+    for lo, hi in sorted(intervals):
+        if end is not None and lo > end:
+            out.append((end, lo))
+        end = hi if end is None else max(end, hi)
+    return out
+
+
+def overlap(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    lo, hi = window
+    return union_length([(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi])
+
+
+def summarize(events: list[dict], top: int = 8) -> dict:
+    by_stream: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    names: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    host_waits: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.get("cat") in GPU_CATS:
+            stream = e.get("args", {}).get("stream", -1)
+            by_stream[stream].append((e["ts"], e["ts"] + e["dur"]))
+            names[stream][e["name"]] += e["dur"]
+        elif e.get("cat") == "cuda_runtime" and e["name"] in HOST_WAITS:
+            host_waits[e["name"]] += e["dur"]
+    if not by_stream:
+        raise SystemExit("the trace has no GPU events (was CUDA activity profiled?)")
+    start = min(lo for iv in by_stream.values() for lo, _ in iv)
+    end = max(hi for iv in by_stream.values() for _, hi in iv)
+    compute = max(by_stream, key=lambda s: sum(hi - lo for lo, hi in by_stream[s]))
+    others = [iv for s, ivs in by_stream.items() if s != compute for iv in ivs]
+    idle = gaps(by_stream[compute])
+    ms = 1e-3  # trace times are in microseconds
+    return {
+        "span_ms": (end - start) * ms,
+        "compute_stream": compute,
+        "streams": {s: {"busy_ms": union_length(iv) * ms, "busy_frac": union_length(iv) / (end - start),
+                        "top": sorted(((n, t * ms) for n, t in names[s].items()), key=lambda x: -x[1])[:top]}
+                    for s, iv in sorted(by_stream.items())},
+        "compute_idle_ms": sum(hi - lo for lo, hi in idle) * ms,
+        "compute_idle_while_copies_ms": sum(overlap(others, g) for g in idle) * ms,
+        "longest_gaps_ms": sorted(((hi - lo) * ms for lo, hi in idle), reverse=True)[:top],
+        "host_waits_ms": {n: t * ms for n, t in sorted(host_waits.items(), key=lambda x: -x[1])},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trace", help="a trace .json, or the --profile directory (its newest trace)")
+    ap.add_argument("--top", type=int, default=8)
+    args = ap.parse_args()
+    s = summarize(load_events(args.trace), args.top)
+    print(f"GPU span {s['span_ms']:.1f} ms; compute stream {s['compute_stream']} idle {s['compute_idle_ms']:.1f} ms, "
+          f"of which {s['compute_idle_while_copies_ms']:.1f} ms with other streams busy")
+    print("longest compute-stream gaps (ms):", ", ".join(f"{g:.2f}" for g in s["longest_gaps_ms"]))
+    for stream, st in s["streams"].items():
+        print(f"\nstream {stream}: busy {st['busy_ms']:.1f} ms ({st['busy_frac']:.0%})")
+        for name, t in st["top"]:
+            print(f"  {t:10.1f} ms  {name[:100]}")
+    print("\nhost waits (ms):", json.dumps({n: round(t, 1) for n, t in s["host_waits_ms"].items()}))
+
+
+if __name__ == "__main__":
+    main()
