@@ -218,3 +218,39 @@ def test_length_dependent_rope_equals_full_sequence(rope):
     model = LlamaForCausalLM(cfg)
     ids = random_batch(1, 300)  # well past the 64 positions the frequencies were made for
     check_against_full_sequence(model, ids, ids, chunk_size=32, page_size=16, backend="torch")
+
+
+def test_progress_reports_every_chunk_pass():
+    """progress(done, total): stage 1's n - 1 chunks then stage 2's n, counted 1 .. 2n - 1;
+    evaluate() reports its n chunks; the loss is the same with or without a callback."""
+    model = make_model("qwen2")
+    ids = random_batch(1, 200)  # chunks of 64: 4
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16, backend="torch")
+    calls = []
+    loss = engine.forward_backward(ids, progress=lambda done, total: calls.append((done, total))).loss
+    assert calls == [(i, 7) for i in range(1, 8)]
+    model.zero_grad(set_to_none=True)
+    assert torch.equal(engine.forward_backward(ids).loss, loss)
+    calls.clear()
+    engine.evaluate(ids, progress=lambda done, total: calls.append((done, total)))
+    assert calls == [(i, 4) for i in range(1, 5)]
+
+
+def test_chunk_progress_bar_on_a_terminal():
+    import io
+
+    from oomb.train.metrics import chunk_progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    import sys
+    err, sys.stderr = sys.stderr, Terminal()
+    try:
+        with chunk_progress("step 1") as progress:
+            for done in range(1, 8):
+                progress(done, 7)
+        drawn = sys.stderr.getvalue()
+    finally:
+        sys.stderr = err
+    assert "step 1:" in drawn and "/7 [" in drawn  # the bar shows the step's 7 chunk passes

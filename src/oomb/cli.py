@@ -98,6 +98,7 @@ def cmd_eval(args) -> None:
     from .engine import ChunkRecurrentEngine
     from .presets import load_model
     from .train.data import make_data
+    from .train.metrics import chunk_progress
     from .train.trainer import resolve_device
 
     device = resolve_device(args.device)
@@ -106,9 +107,10 @@ def cmd_eval(args) -> None:
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size)
     data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed)
     total = tokens = 0
-    for _ in range(args.batches):
+    for i in range(args.batches):
         ids, labels = next(data)
-        r = engine.evaluate(ids, labels)
+        with chunk_progress(f"batch {i + 1}/{args.batches}") as progress:
+            r = engine.evaluate(ids, labels, progress=progress)
         total += float(r.loss) * r.num_tokens
         tokens += r.num_tokens
     print(json.dumps({"model": args.model, "data": args.data, "seq_len": args.seq_len, "tokens": tokens,

@@ -98,13 +98,15 @@ class ChunkRecurrentEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                         num_tokens: int | None = None) -> StepResult:
+                         num_tokens: int | None = None, progress=None) -> StepResult:
         """Loss of `model(input_ids, labels=labels)` and its gradients, accumulated into .grad.
 
         input_ids: (B, T) integer token ids, T >= 2. labels: (B, T), default input_ids;
         IGNORE_INDEX (-100) is not predicted; shifted by one as in transformers.
         num_tokens: normalise by this count instead of this batch's predicted tokens (for
         gradient accumulation over micro-batches or ranks: pass the global count).
+        progress: called as progress(done, total) after each chunk pass (stage 1's n - 1, then
+        stage 2's n), from the host thread as it queues work (no GPU sync).
         """
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
         batch = input_ids.shape[0]
@@ -114,6 +116,7 @@ class ChunkRecurrentEngine:
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         rng_states = []
         lead = _HostLead(self.device)
+        passes = _Passes(progress, 2 * len(bounds) - 1)
         try:
             with torch.no_grad():
                 for c, (start, end) in enumerate(bounds[:-1]):
@@ -121,6 +124,7 @@ class ChunkRecurrentEngine:
                     self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
                     self._stage1_chunk(c, input_ids[:, start:end], start)
                     lead.chunk_done()
+                    passes.done()
             rng_states.append(self._rng_state())
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for c in reversed(range(len(bounds))):
@@ -133,6 +137,7 @@ class ChunkRecurrentEngine:
                 if c < len(bounds) - 1:
                     self.store.free_chunk(c)
                 lead.chunk_done()
+                passes.done()
         finally:
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
@@ -144,14 +149,16 @@ class ChunkRecurrentEngine:
         self._begin_step(batch, (n_chunks - 1) * (self.chunk_size // self.page_size))
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> StepResult:
-        """Loss only (no gradients): one stage-1 pass over every chunk, LM head included."""
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress=None) -> StepResult:
+        """Loss only (no gradients): one stage-1 pass over every chunk, LM head included;
+        progress(done, total) after each chunk."""
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
         batch = input_ids.shape[0]
         pages_per_chunk = self.chunk_size // self.page_size
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         lead = _HostLead(self.device)
+        passes = _Passes(progress, len(bounds))
         try:
             for c, (start, end) in enumerate(bounds):
                 last = c == len(bounds) - 1
@@ -162,6 +169,7 @@ class ChunkRecurrentEngine:
                                       shifted_targets(labels, start, end), slice_tokens(self.adapter.vocab_size, batch))
                 total += ce_sum
                 lead.chunk_done()
+                passes.done()
         finally:
             self.store.free_all()
         return StepResult(loss=total / count, num_tokens=count)
@@ -398,6 +406,18 @@ class _HostLead:
             oldest = self.events.popleft()
             if not oldest.query():  # wait only when the GPU really is behind
                 oldest.synchronize()
+
+
+class _Passes:
+    """Counts chunk passes for a progress(done, total) callback (or nothing without one)."""
+
+    def __init__(self, progress, total: int) -> None:
+        self.progress, self.total, self.count = progress, total, 0
+
+    def done(self) -> None:
+        self.count += 1
+        if self.progress is not None:
+            self.progress(self.count, self.total)
 
 
 class _AddPageGrads(torch.autograd.Function):

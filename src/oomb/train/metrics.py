@@ -1,11 +1,14 @@
-"""Per-step progress: loss, tokens/s and memory, one line per logged step."""
+"""Progress: one line per logged step (loss, tokens/s, memory), and a bar over the chunks of
+a step while it runs (a 1M-token step takes minutes)."""
 from __future__ import annotations
 
 import resource
 import sys
 import time
+from contextlib import contextmanager
 
 import torch
+from tqdm import tqdm
 
 
 def peak_memory_gib(device: torch.device) -> float:
@@ -28,3 +31,22 @@ class StepLogger:
         print(f"step {step:>5}/{self.total_steps}  loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
               f"lr {lr:.2e}  grad_norm {grad_norm:.3f}  mem {peak_memory_gib(self.device):.2f} GiB  "
               f"elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
+
+
+@contextmanager
+def chunk_progress(desc: str, enabled: bool = True):
+    """A callable progress(done, total) for the engine, drawn as a tqdm bar of chunk passes
+    on a terminal (tqdm turns itself off when stderr is not a TTY, so logs stay clean)."""
+    bar = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:  # made at the first pass, when the step's size is known
+            bar = tqdm(total=total, desc=desc, unit="chunk", leave=False, disable=None if enabled else True,
+                       dynamic_ncols=True)
+        bar.update(done - bar.n)
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()

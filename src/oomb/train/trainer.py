@@ -15,7 +15,7 @@ from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
 from .data import make_data
-from .metrics import StepLogger
+from .metrics import StepLogger, chunk_progress
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -113,7 +113,8 @@ def train(cfg: TrainConfig) -> list[float]:
                              "the data was tokenised for another model")
         t0 = time.perf_counter()
         count = global_token_count(labels, dp_group)
-        result = engine.forward_backward(input_ids, labels, num_tokens=count)
+        with chunk_progress(f"step {step + 1}", enabled=rank0) as progress:
+            result = engine.forward_backward(input_ids, labels, num_tokens=count, progress=progress)
         all_reduce_gradients(model, dp_group)
         grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
         optimizer.step()
