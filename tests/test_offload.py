@@ -89,3 +89,25 @@ def test_host_memory_is_checked_before_the_step(monkeypatch):
                                          r"context\), but only 4.0 MiB is available: about 8,192 tokens would fit"):
         engine.forward_backward(torch.randint(0, 97, (1, 16384)))
     engine.forward_backward(torch.randint(0, 97, (1, 1024)))  # 0.25 MiB of pages + staging: fine
+
+
+def test_auto_budget_counts_what_is_still_to_come(monkeypatch):
+    """'auto' budget = free device memory - gradients not yet allocated - reserved_gpu_bytes -
+    working set - staging - margin, decided once: a later step sees the same budget although
+    the gradients and optimizer state then take part of the free memory."""
+    from oomb.plan import GPU_MARGIN_BYTES
+    model = make_model("qwen2", layers=2)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto", reserved_gpu_bytes=1000)
+    free = 10 * 2**30
+    monkeypatch.setattr(engine, "_free_gpu_bytes", lambda: free)
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    fixed = engine._free_budget() + grads + 1000  # what the budget is without those two
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # now allocated: no longer subtracted
+    assert engine._free_budget() == fixed - 1000
+    assert 0 < free - fixed <= GPU_MARGIN_BYTES + 2**30  # margin, working set and staging only
+    budgets = iter([123, 456])
+    monkeypatch.setattr(engine, "_free_budget", lambda: next(budgets))
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the budget is a CUDA matter
+    assert engine._page_budget() == 123 and engine._page_budget() == 123  # the first step's, kept

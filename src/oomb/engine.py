@@ -280,10 +280,8 @@ class ChunkRecurrentEngine:
         """
         if self.gpu_page_budget_bytes is not None:
             return self.gpu_page_budget_bytes
-        if self.device.type != "cuda":
-            return 2**62  # a CPU model: host and "device" are the same memory
-        if self._budget is None:
-            self._budget = self._free_budget()
+        if self._budget is None:  # a CPU model: host and "device" are the same memory
+            self._budget = self._free_budget() if self.device.type == "cuda" else 2**62
         return self._budget
 
     def _free_budget(self) -> int:
