@@ -7,6 +7,7 @@ counters), one after the other in the same command.
     python bench/bench_step.py --impls oomb,liger,hf --lengths 32K,64K,128K,256K
     python bench/bench_step.py --impls oomb-sparse-auto --lengths 64K,256K,1M --kv-grad-dtype bf16
     python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
+    python bench/bench_step.py --impls oomb,liger --oomb-liger --lengths 64K   # oomb with Liger's norm/MLP
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
@@ -31,7 +32,7 @@ from common import record, run_info  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
 
 
-def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda"):
+def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda", oomb_liger: bool = False):
     from oomb.presets import load_model
 
     if liger:
@@ -44,6 +45,10 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
     model = load_model(name, dtype=dtype, device=device, **overrides)
     model.config._attn_implementation = "sdpa"
     model.train()
+    if oomb_liger:  # Liger's RMSNorm and SwiGLU modules inside oomb's chunks
+        from oomb.models.liger import apply_liger
+
+        apply_liger(model)
     if lora_rank:  # adapters on the attention projections, the base frozen
         import peft
 
@@ -93,7 +98,8 @@ def _profiled(enabled: bool, out_dir: str, impl: str):
 def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
-    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device)
+    oomb_liger = args.oomb_liger and args.impl in OOMB_OFFLOAD
+    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers)
     vocab = model.config.vocab_size
@@ -113,6 +119,7 @@ def worker(args) -> None:
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
+               "liger": oomb_liger or args.impl == "liger",
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -152,6 +159,7 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "step.jsonl"))
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32", help="oomb's dK/dV pages")
     ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
+    ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
@@ -169,6 +177,8 @@ def main() -> None:
                "--device", args.device]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")
+        if args.oomb_liger:
+            cmd.append("--oomb-liger")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         try:

@@ -93,3 +93,12 @@ def test_sliding_window_config_rejected():
                       max_window_layers=0)
     with pytest.raises(ValueError, match=r"sliding_attention.*computes full_attention only"):
         oomb.ChunkRecurrentEngine(Qwen2ForCausalLM(cfg))
+
+
+def test_liger_needs_cuda_and_no_tensor_parallelism():
+    from oomb.models.liger import apply_liger
+    from oomb.train.config import TrainConfig
+    with pytest.raises(ValueError, match="Liger kernels run on CUDA only and this model is on cpu"):
+        apply_liger(make_model("qwen2"))
+    with pytest.raises(ValueError, match="liger=True with tp=2"):
+        TrainConfig(liger=True, tp=2)

@@ -145,3 +145,32 @@ def test_gpt_oss_bf16_matches_full_sequence():
     for n in truth:
         e_ours, e_hf = rel_err(ours[n], truth[n]), rel_err(hf[n], truth[n])
         assert e_ours <= 3 * e_hf + 1e-3, f"{n}: oomb {e_ours:.2e} vs transformers bf16 {e_hf:.2e}"
+
+
+def test_liger_kernels_in_the_engine():
+    """Liger's RMSNorm and SwiGLU patched into a model: the engine's loss and gradients stay
+    within bf16 rounding of the unpatched model's, and other models keep transformers' modules."""
+    pytest.importorskip("liger_kernel")
+    from transformers.models.qwen2 import modeling_qwen2
+
+    from oomb.models.liger import apply_liger
+    from oomb.presets import load_model
+    norm_class = modeling_qwen2.Qwen2RMSNorm
+    ids = torch.randint(0, 152064, (1, 4096), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    results = []
+    for liger in (False, True):
+        torch.manual_seed(0)
+        model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=2).train()
+        if liger:
+            apply_liger(model)
+            mlp = model.model.layers[0].mlp
+            assert mlp._get_name() == "LigerSwiGLUMLP" and "forward" in vars(mlp)  # patched in place
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=1024, backend="triton")
+        loss = engine.forward_backward(ids).loss
+        results.append((float(loss), grads_of(model)))
+        del engine, model
+    assert modeling_qwen2.Qwen2RMSNorm is norm_class  # the module-level class was put back
+    (loss0, g0), (loss1, g1) = results
+    assert abs(loss0 - loss1) <= 1e-2 * abs(loss0)
+    worst = max(g0, key=lambda n: rel_err(g1[n], g0[n]))
+    assert rel_err(g1[worst], g0[worst]) <= 3e-2, worst

@@ -23,6 +23,7 @@ class TrainConfig:
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
+    liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
@@ -50,6 +51,9 @@ class TrainConfig:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.kv_grad_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be float32 or bfloat16")
+        if self.liger and self.tp > 1:
+            raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
+                             "inputs; train with tp=1 or without liger")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ..attention.sparse import TopKPages
 from ..engine import ChunkRecurrentEngine
+from ..models.liger import apply_liger
 from ..parallel import all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count, init_distributed
 from ..presets import load_model
 from . import checkpoint
@@ -34,6 +35,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
              "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
     model = load_model(cfg.model, dtype=dtype, device=device)
     model.train()
+    if cfg.liger:
+        apply_liger(model)  # before LoRA wraps the projections: Liger patches the norm and MLP modules
     if cfg.lora_rank:
         import peft
 
