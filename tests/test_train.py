@@ -142,3 +142,59 @@ def test_plan_counts_what_the_engine_allocates_for_gpt_oss():
     gib = 2**30
     every = place(p, "all", 100 * gib, 100 * gib)
     assert every.host == p.pages - p.window_pages  # full layers' pages go to the host, windows' stay
+
+
+def test_token_files_are_checked_before_training(tmp_path):
+    """.npy carries its dtype; a .bin's must be right; ids beyond the vocabulary, a torn file
+    or too few tokens are refused up front with the fix in the message."""
+    import numpy as np
+
+    from oomb.train.data import make_data
+    ids = np.arange(300, dtype=np.uint32) % 250
+    np.save(tmp_path / "ok.npy", ids)
+    batch, _ = next(make_data(str(tmp_path / "ok.npy"), 256, 64, 2))
+    assert batch.shape == (2, 64) and batch.dtype == torch.int64
+    assert torch.equal(batch[0, 1:] - batch[0, :-1] == 1, (batch[0, :-1] != 249))  # consecutive windows
+    big = np.array([1, 2, 70_000] * 50, dtype=np.uint32)
+    big.tofile(tmp_path / "big.bin")
+    with pytest.raises(ValueError, match="token id 4,464 >= the model's vocab_size=256: .* use --data-dtype uint32"):
+        make_data(str(tmp_path / "big.bin"), 256, 64, 1)  # read as uint16: 70,000 splits into garbage ids
+    with pytest.raises(ValueError, match="token id 70,000 >= the model's vocab_size=65,536"):
+        make_data(str(tmp_path / "big.bin"), 65_536, 64, 1, dtype="uint32")
+    (tmp_path / "torn.bin").write_bytes(b"\x01\x00\x02")
+    with pytest.raises(ValueError, match="not a whole number of uint16 token ids"):
+        make_data(str(tmp_path / "torn.bin"), 256, 1, 1)
+    with pytest.raises(ValueError, match="holds 300 tokens, fewer than seq_len=4,096"):
+        make_data(str(tmp_path / "ok.npy"), 256, 4096, 1)
+    np.save(tmp_path / "two_d.npy", np.zeros((2, 3), dtype=np.int32))
+    with pytest.raises(ValueError, match="2-D int32 array"):
+        make_data(str(tmp_path / "two_d.npy"), 256, 1, 1)
+
+
+def test_tokenize_then_train(tmp_path, capsys):
+    """oomb tokenize: .jsonl and .txt documents through a checkpoint's tokenizer, joined by EOS,
+    into a .npy that oomb train reads."""
+    import numpy as np
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<eos>", "<unk>", "the", "cat", "sat", "on", "mat", "a", "dog"]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>").save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "a.jsonl").write_text('{"text": "the cat sat"}\n\n{"text": "a dog"}\n')
+    (tmp_path / "b.txt").write_text("the mat " * 40)
+    out = tmp_path / "tokens.npy"
+    main(["tokenize", str(tmp_path / "a.jsonl"), str(tmp_path / "b.txt"), "--model", str(tmp_path / "ckpt"),
+          "--output", str(out)])
+    tokens = np.load(out)
+    assert "wrote 88 tokens" in capsys.readouterr().out and tokens.dtype == np.uint16
+    # 3 + EOS, 2 + EOS (the blank line is skipped), 80 + EOS
+    assert tokens[:7].tolist() == [2, 3, 4, 0, 7, 8, 0] and tokens[-1] == 0 and len(tokens) == 88
+    losses = train(TrainConfig(data=str(out), seq_len=64, chunk_size=32, page_size=16, steps=2, log_every=10))
+    assert len(losses) == 2
+    with pytest.raises(SystemExit, match="has no 'body' field; set --text-field"):
+        main(["tokenize", str(tmp_path / "a.jsonl"), "--model", str(tmp_path / "ckpt"), "--output", str(out),
+              "--text-field", "body"])
+    with pytest.raises(SystemExit, match="no tokenizer for --model 'tiny'"):
+        main(["tokenize", str(tmp_path / "b.txt"), "--model", "tiny", "--output", str(out)])

@@ -105,7 +105,7 @@ def cmd_eval(args) -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = load_model(args.model, dtype=dtype, device=device).eval()
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size)
-    data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed)
+    data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed, dtype=args.data_dtype)
     total = tokens = 0
     for i in range(args.batches):
         ids, labels = next(data)
@@ -115,6 +115,13 @@ def cmd_eval(args) -> None:
         tokens += r.num_tokens
     print(json.dumps({"model": args.model, "data": args.data, "seq_len": args.seq_len, "tokens": tokens,
                       "loss": total / tokens}))
+
+
+def cmd_tokenize(args) -> None:
+    from .train.data import tokenize
+
+    n = tokenize(args.model, args.inputs, args.output, args.text_field)
+    print(f"wrote {n:,} tokens to {args.output}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
 
     p_eval = sub.add_parser("eval", help="loss of a model on data, no gradients")
     p_eval.add_argument("--model", default="tiny")
-    p_eval.add_argument("--data", default="copy")
+    p_eval.add_argument("--data", default="copy", help="copy, a .npy token file or a .bin file")
+    p_eval.add_argument("--data-dtype", choices=["uint16", "uint32", "int32"], default="uint16",
+                        help="of a .bin file's token ids")
     p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
     p_eval.add_argument("--batches", type=int, default=4)
     p_eval.add_argument("--chunk-size", type=int, default=1024)
@@ -154,6 +163,13 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--device", default="auto")
     p_eval.add_argument("--seed", type=int, default=1)
     p_eval.set_defaults(func=cmd_eval)
+
+    p_tok = sub.add_parser("tokenize", help="text (.txt, .jsonl) -> a .npy token file for --data")
+    p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each) or .jsonl (a document per line)")
+    p_tok.add_argument("--model", required=True, help="a checkpoint directory or hub id with a tokenizer")
+    p_tok.add_argument("--output", required=True, help="the .npy file to write")
+    p_tok.add_argument("--text-field", default="text", help="the .jsonl field holding the text")
+    p_tok.set_defaults(func=cmd_tokenize)
 
     args = parser.parse_args(argv)
     try:

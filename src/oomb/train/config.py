@@ -7,7 +7,8 @@ from dataclasses import dataclass
 @dataclass
 class TrainConfig:
     model: str = "tiny"  # a preset name (oomb.presets) or a local transformers checkpoint
-    data: str = "copy"  # 'copy' (built-in long-context task) or a .bin file of uint16 token ids
+    data: str = "copy"  # 'copy' (built-in long-context task), a .npy token file (oomb tokenize) or a .bin file
+    data_dtype: str = "uint16"  # of a .bin file's ids: uint16 | uint32 (vocabularies above 65,536) | int32
     seq_len: int = 4096
     batch: int = 1
     steps: int = 30
@@ -54,6 +55,8 @@ class TrainConfig:
         if self.liger and self.tp > 1:
             raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
                              "inputs; train with tp=1 or without liger")
+        if self.data_dtype not in ("uint16", "uint32", "int32"):
+            raise ValueError(f"data_dtype={self.data_dtype!r} must be uint16, uint32 or int32")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 

@@ -1,5 +1,10 @@
 """Training data: built-in synthetic long-context tasks, or a flat file of token ids.
 
+Token files: `.npy` (a 1-D integer array: its dtype travels with it; `oomb tokenize` writes
+them), or raw `.bin` (nanoGPT's format) of `uint16` ids, `uint32` for vocabularies above
+65,536 (Qwen, Llama 3). The whole file is checked against the model's vocabulary before the
+first step.
+
 The built-in `copy` task needs long context to learn: each sequence is tokens drawn from a
 Zipf distribution followed by the same tokens again. A model first learns the unigram
 distribution (the loss falls from ln(vocab) to its entropy within a few dozen steps), and
@@ -14,6 +19,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
+BIN_DTYPES = ("uint16", "uint32", "int32")
 
 
 def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -28,12 +34,32 @@ def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Itera
         yield ids, ids
 
 
-def token_file(path: str | Path, seq_len: int, batch: int, seed: int = 0,
-               dtype: str = "uint16") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless random windows of a flat binary file of token ids (nanoGPT's .bin format)."""
-    data = np.memmap(path, dtype=dtype, mode="r")
-    if len(data) <= seq_len:
-        raise ValueError(f"{path} holds {len(data)} tokens, fewer than seq_len={seq_len} + 1; use a shorter --seq-len")
+def open_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.ndarray:
+    """A token file as a read-only 1-D array, checked: whole tokens, ids < vocab_size."""
+    path = Path(path)
+    if path.suffix == ".npy":
+        data = np.load(path, mmap_mode="r")
+        if data.ndim != 1 or data.dtype.kind not in "iu":
+            raise ValueError(f"{path} holds a {data.ndim}-D {data.dtype} array; a 1-D integer array of token ids "
+                             "is expected (oomb tokenize writes one)")
+    else:
+        if dtype not in BIN_DTYPES:
+            raise ValueError(f"data_dtype={dtype!r} is not one of {BIN_DTYPES}")
+        size, item = path.stat().st_size, np.dtype(dtype).itemsize
+        if size % item:
+            raise ValueError(f"{path} is {size:,} bytes, not a whole number of {dtype} token ids; "
+                             "is --data-dtype right (uint16 or uint32)?")
+        data = np.memmap(path, dtype=dtype, mode="r")
+    top = int(data.max()) if len(data) else -1
+    if top >= vocab_size:
+        hint = " or the file holds uint32 ids: use --data-dtype uint32" if path.suffix != ".npy" else ""
+        raise ValueError(f"{path} has token id {top:,} >= the model's vocab_size={vocab_size:,}: it was tokenised "
+                         f"for another model{hint}")
+    return data
+
+
+def token_file(data: np.ndarray, seq_len: int, batch: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless random windows of seq_len tokens of a 1-D token array (longer than seq_len)."""
     rng = np.random.default_rng(seed)
     while True:
         starts = rng.integers(0, len(data) - seq_len, size=batch)
@@ -41,9 +67,55 @@ def token_file(path: str | Path, seq_len: int, batch: int, seed: int = 0,
         yield ids, ids
 
 
-def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int = 0):
+def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int = 0, dtype: str = "uint16"):
     if source == "copy":
         return copy_task(vocab_size, seq_len, batch, seed)
     if not Path(source).is_file():
-        raise ValueError(f"--data {source!r} is neither 'copy' (built-in) nor a file of token ids")
-    return token_file(source, seq_len, batch, seed)
+        raise ValueError(f"--data {source!r} is neither 'copy' (built-in) nor a file of token ids (.npy or .bin)")
+    data = open_tokens(source, vocab_size, dtype)
+    if len(data) <= seq_len:
+        raise ValueError(f"{source} holds {len(data):,} tokens, fewer than seq_len={seq_len:,} + 1; "
+                         "use a shorter --seq-len or more data")
+    return token_file(data, seq_len, batch, seed)
+
+
+def tokenize(model: str, inputs: list[str], output: str, text_field: str = "text") -> int:
+    """Tokenise text files (.txt: one document each; .jsonl: one document per line, in
+    `text_field`) with `model`'s tokenizer, documents joined by its EOS token, into a .npy
+    token file (uint16 when the vocabulary fits, else uint32). Returns the token count."""
+    import json
+
+    from transformers import AutoTokenizer
+
+    if not output.endswith(".npy"):
+        raise ValueError(f"--output {output!r}: token files are written as .npy (their dtype travels with them)")
+    try:
+        tok = AutoTokenizer.from_pretrained(model)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"no tokenizer for --model {model!r} (a local checkpoint directory or hub id with "
+                         f"tokenizer files is needed; presets have random weights and no tokenizer): {e}") from None
+    dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
+    pieces = []
+    for path in inputs:
+        with open(path, encoding="utf-8") as f:
+            if path.endswith(".jsonl"):
+                docs = []
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    record = json.loads(line)
+                    if text_field not in record:
+                        raise ValueError(f"{path}:{n} has no {text_field!r} field; set --text-field")
+                    docs.append(record[text_field])
+            else:
+                docs = [f.read()]
+        for doc in docs:
+            ids = tok(doc, add_special_tokens=False)["input_ids"]
+            if tok.eos_token_id is not None:
+                ids.append(tok.eos_token_id)
+            pieces.append(np.asarray(ids, dtype=dtype))
+    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+    tmp = output + ".tmp.npy"  # written whole, then renamed: never a half-written token file
+    np.save(tmp, tokens)
+    Path(tmp).replace(output)
+    return len(tokens)

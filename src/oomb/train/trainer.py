@@ -87,13 +87,15 @@ def train(cfg: TrainConfig) -> list[float]:
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                   checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
                                   reserved_gpu_bytes=adam_state)
-    engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     vocab = engine.adapter.vocab_size
+    # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
+    # token file is checked here, before pinning host memory takes its minute.
+    data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank,
+                     dtype=cfg.data_dtype)
+    engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
-    # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own.
-    data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank)
     for _ in range(step):  # a resumed run sees the batches it would have seen
         next(data)
 
