@@ -254,3 +254,19 @@ def test_chunk_progress_bar_on_a_terminal():
     finally:
         sys.stderr = err
     assert "step 1:" in drawn and "/7 [" in drawn  # the bar shows the step's 7 chunk passes
+
+
+@pytest.mark.parametrize("offload", ["none", "all"])
+def test_evaluation_only_engine_has_no_gradient_pages(offload):
+    """kv_grad_dtype=None: pages hold K/V only (device pool and host arena), evaluate() gives
+    the loss of an ordinary engine bitwise, and forward_backward() refuses with the fix."""
+    model = make_model("qwen2", layers=2)
+    ids = random_batch(2, 150)
+    ref = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload=offload).evaluate(ids).loss
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload=offload, kv_grad_dtype=None)
+    assert torch.equal(engine.evaluate(ids).loss, ref)
+    assert engine.spec.page_bytes == engine.spec.kv_bytes and engine.store.dk is None
+    if offload == "all":
+        assert [len(t) for t in engine.store.host.arena.values()] == [2, 2]  # K and V only
+    with pytest.raises(ValueError, match="kv_grad_dtype=None \\(evaluation only"):
+        engine.forward_backward(ids)

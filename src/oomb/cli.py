@@ -95,6 +95,7 @@ def lora_params(config, rank: int) -> int:
 
 
 def cmd_eval(args) -> None:
+    from .attention.sparse import TopKPages
     from .engine import ChunkRecurrentEngine
     from .presets import load_model
     from .train.data import make_data
@@ -103,8 +104,11 @@ def cmd_eval(args) -> None:
 
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed)  # a preset's random weights, the same every run
     model = load_model(args.model, dtype=dtype, device=device).eval()
-    engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size)
+    engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
+                                  kv_grad_dtype=None,  # no backward: pages without dK/dV
+                                  sparse=TopKPages(budget=args.sparse_budget) if args.sparse_budget else None)
     data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed, dtype=args.data_dtype)
     total = tokens = 0
     for i in range(args.batches):
@@ -160,6 +164,9 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--batches", type=int, default=4)
     p_eval.add_argument("--chunk-size", type=int, default=1024)
     p_eval.add_argument("--page-size", type=int, default=128)
+    p_eval.add_argument("--offload", choices=["none", "all", "auto"], default="auto",
+                        help="where K/V pages live (auto: the GPU while they fit, then the host)")
+    p_eval.add_argument("--sparse-budget", type=int, default=0, help="> 0: top-k sparse attention over this many pages")
     p_eval.add_argument("--device", default="auto")
     p_eval.add_argument("--seed", type=int, default=1)
     p_eval.set_defaults(func=cmd_eval)

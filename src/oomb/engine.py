@@ -64,8 +64,9 @@ class ChunkRecurrentEngine:
             raise ValueError(f"offload={offload!r} is not one of {OFFLOAD_MODES}")
         if sparse is not None and not isinstance(sparse, TopKPages):
             raise ValueError(f"sparse={sparse!r} must be None (dense) or oomb.TopKPages(budget=...)")
-        if kv_grad_dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32 or torch.bfloat16")
+        if kv_grad_dtype not in (torch.float32, torch.bfloat16, None):
+            raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32, torch.bfloat16 or None "
+                             "(evaluation only: pages without dK/dV, a third of the memory with fp32)")
         self.model = model
         # Stage 2 keeps one chunk's activations of every layer, or (checkpoint_layers) only each
         # layer's input and recomputes the layer in backward: one more forward of the chunk
@@ -108,6 +109,9 @@ class ChunkRecurrentEngine:
         progress: called as progress(done, total) after each chunk pass (stage 1's n - 1, then
         stage 2's n), from the host thread as it queues work (no GPU sync).
         """
+        if not self.spec.grads:
+            raise ValueError("this engine was made with kv_grad_dtype=None (evaluation only: its pages have no "
+                             "dK/dV); use evaluate(), or make the engine with kv_grad_dtype=torch.float32 to train")
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
         batch = input_ids.shape[0]
         denominator = count if num_tokens is None else num_tokens

@@ -6,6 +6,7 @@ and a group's pages are each one contiguous range:
     k, v    (max_pages, B, Hkv, P, D)  model dtype
     dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
     reps    (max_pages, B, Hkv, R, D)  model dtype, sparse attention's page representatives
+(dK/dV only with gradient pages; reps only with sparse attention: always the last of a layer's)
 GPU staging, two buffers (double buffering) of `group_pages` pages:
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
 
@@ -85,10 +86,9 @@ class HostPages:
             shape = (max_pages, batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.arena = {}  # free the old arena before pinning the new one
             pin = self.cuda
-            self.arena = {
-                layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)]
-                for layer in self.layers
-            }
+            dtypes = (s.dtype, s.dtype) + ((s.grad_dtype, s.grad_dtype) if s.grads else ())
+            self.arena = {layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in dtypes]
+                          for layer in self.layers}
             self.rep_staging = None
             if self.rep_size:
                 reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
@@ -96,8 +96,7 @@ class HostPages:
                     self.arena[layer].append(torch.empty(reps, dtype=s.dtype, pin_memory=pin))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
-            self.staging = [[torch.empty(slots, dtype=dt, device=self.device)
-                             for dt in (s.dtype, s.dtype, s.grad_dtype, s.grad_dtype)] for _ in range(2)]
+            self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
             # staged page j of sequence b sits in slot j*B + b
             self.table = torch.arange(self.group_pages * batch, dtype=torch.int32,
                                       device=self.device).view(self.group_pages, batch).t()  # (B, group_pages)
@@ -107,7 +106,7 @@ class HostPages:
 
     def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, Hkv, n*P, D) on the device -> host pages [first_page, first_page + n)."""
-        host_k, host_v, host_dk, host_dv = self.arena[layer][:4]
+        host_k, host_v = self.arena[layer][:2]
         n = k.shape[2] // self.spec.page_size
         for x, dst in ((k, host_k), (v, host_v)):
             b, h, t, d = x.shape
@@ -116,16 +115,18 @@ class HostPages:
                 dst[first_page : first_page + n].copy_(pages, non_blocking=True)
             if self.cuda:
                 pages.record_stream(self.copy_stream)  # keep it alive until the copy is done
+        if not self.spec.grads:
+            return
         zeros = self._zero_pages(n)
         with self._on_copy_stream(after_compute=True):  # the zero buffer was made on the compute stream
-            host_dk[first_page : first_page + n].copy_(zeros, non_blocking=True)
-            host_dv[first_page : first_page + n].copy_(zeros, non_blocking=True)
+            for host in self.arena[layer][2:4]:
+                host[first_page : first_page + n].copy_(zeros, non_blocking=True)
 
     def write_reps(self, layer: int, first_page: int, reps: torch.Tensor) -> None:
         """reps: (B, n, Hkv, R, D) on the device -> the host's [first_page, first_page + n)."""
         pages = reps.transpose(0, 1).contiguous()  # (n, B, Hkv, R, D)
         with self._on_copy_stream(after_compute=True):
-            self.arena[layer][4][first_page : first_page + pages.shape[0]].copy_(pages, non_blocking=True)
+            self.arena[layer][-1][first_page : first_page + pages.shape[0]].copy_(pages, non_blocking=True)
         if self.cuda:
             pages.record_stream(self.copy_stream)
 
@@ -133,7 +134,7 @@ class HostPages:
         """(B, n_pages, Hkv, R, D) on the device, valid on the current stream until the next call."""
         staged = self.rep_staging[:n_pages]
         with self._on_copy_stream(after_compute=True):  # after the last selection read the buffer
-            staged.copy_(self.arena[layer][4][:n_pages], non_blocking=True)
+            staged.copy_(self.arena[layer][-1][:n_pages], non_blocking=True)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return staged.transpose(0, 1)
@@ -257,9 +258,9 @@ class _HostGroups:
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
         if not spans:
-            k, v, dk, dv = host.staging[0]
-            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, :0],
-                             0, **self.extra)
+            k, v, *grads = host.staging[0]
+            dk, dv = grads if with_grad else (None, None)
+            yield LayerPages(k, v, dk, dv, host.table[:, :0], 0, **self.extra)
             return
         if host._prefetched != self._key(with_grad):
             self._begin(with_grad)
@@ -270,9 +271,9 @@ class _HostGroups:
                 host._load(1 - buf, layer, spans[g + 1], with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
-            k, v, dk, dv = host.staging[buf]
-            yield LayerPages(k, v, dk if with_grad else None, dv if with_grad else None, host.table[:, : end - start],
-                             start, **self.extra)
+            k, v, *grads = host.staging[buf]
+            dk, dv = grads if with_grad else (None, None)
+            yield LayerPages(k, v, dk, dv, host.table[:, : end - start], start, **self.extra)
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:

@@ -13,14 +13,15 @@ class PageSpec:
 
     K and V of a page are each `[n_kv_heads, page_size, head_dim]` in `dtype` (the model's);
     dK and dV are the same shape in `grad_dtype` (fp32 by default: they sum the contributions
-    of every later chunk, so they are accumulators, not activations).
+    of every later chunk, so they are accumulators, not activations), or absent when
+    `grad_dtype` is None (evaluation: no backward reads them).
     """
 
     page_size: int
     n_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    grad_dtype: torch.dtype = torch.float32
+    grad_dtype: torch.dtype | None = torch.float32
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
@@ -40,9 +41,14 @@ class PageSpec:
         return 2 * self.elements * _itemsize(self.dtype)
 
     @property
+    def grads(self) -> bool:
+        """Whether pages carry dK/dV accumulators."""
+        return self.grad_dtype is not None
+
+    @property
     def grad_bytes(self) -> int:
         """dK and dV accumulators of one page."""
-        return 2 * self.elements * _itemsize(self.grad_dtype)
+        return 2 * self.elements * _itemsize(self.grad_dtype) if self.grads else 0
 
     @property
     def page_bytes(self) -> int:

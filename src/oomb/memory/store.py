@@ -3,6 +3,7 @@
 Device pool (one slot = one page of one layer of one sequence):
     k, v    (n_slots, n_kv_heads, page_size, head_dim)  model dtype
     dk, dv  (n_slots, n_kv_heads, page_size, head_dim)  grad dtype (fp32), zeroed when allocated
+                                                        (none for an evaluation-only engine)
     table   (n_device_layers, batch, max_pages) int32 on the device: logical page -> slot
 Layers placed on the host keep their pages in offload.HostPages instead; which layers go
 where is decided per step from the offload mode and the device budget (`place()`).
@@ -42,8 +43,7 @@ class PagedKVStore:
         shape = (0, spec.n_kv_heads, spec.page_size, spec.head_dim)
         self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
         self.v = torch.empty_like(self.k)
-        self.dk = torch.empty(shape, dtype=spec.grad_dtype, device=self.device)
-        self.dv = torch.empty_like(self.dk)
+        self.dk = self.dv = None  # gradient pools (None without gradient pages)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
         self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
         self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages), self.rep_size)
@@ -73,8 +73,9 @@ class PagedKVStore:
             self.k = self.v = self.dk = self.dv = None  # free the old buffers first
             self.k = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
             self.v = torch.empty_like(self.k)
-            self.dk = torch.empty(shape, dtype=self.spec.grad_dtype, device=self.device)
-            self.dv = torch.empty_like(self.dk)
+            if self.spec.grads:
+                self.dk = torch.empty(shape, dtype=self.spec.grad_dtype, device=self.device)
+                self.dv = torch.empty_like(self.dk)
             self.pool.grow(need)
         if self.table.shape != (len(self._row), batch, max_pages):
             self.table = torch.full((len(self._row), batch, max_pages), -1, dtype=torch.int32, device=self.device)
@@ -151,8 +152,9 @@ class PagedKVStore:
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
         self.k[slots] = to_pages(k, n_pages)
         self.v[slots] = to_pages(v, n_pages)
-        self.dk[slots] = 0
-        self.dv[slots] = 0
+        if self.spec.grads:
+            self.dk[slots] = 0
+            self.dv[slots] = 0
 
     def page_groups(self, layer: int, n_pages: int, window: int = 0):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
