@@ -174,3 +174,11 @@ def test_liger_kernels_in_the_engine():
     assert abs(loss0 - loss1) <= 1e-2 * abs(loss0)
     worst = max(g0, key=lambda n: rel_err(g1[n], g0[n]))
     assert rel_err(g1[worst], g0[worst]) <= 3e-2, worst
+
+
+def test_evaluation_only_engine_equals_training_engine(wide_model):
+    """kv_grad_dtype=None (K/V pages only, here on the host): the same loss bitwise."""
+    ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    losses = [oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, offload="all", kv_grad_dtype=grads)
+              .evaluate(ids).loss for grads in (torch.float32, None)]
+    assert torch.equal(*losses)
