@@ -118,5 +118,11 @@ def test_torchrun_tensor_parallel_training_resumes_exactly(tmp_path):
     ckpt = tmp_path / "step-000002"
     assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer-rank0.pt",
                                                        "optimizer-rank1.pt", "trainer.json"]
+    # The export gathers the shards: transformers loads the whole trained model.
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+    exported = dict(AutoModelForCausalLM.from_pretrained(tmp_path / "final").named_parameters())
+    trained = load_file(tmp_path / "step-000003" / "model.safetensors")
+    assert trained.keys() == exported.keys() and all(torch.equal(exported[n].detach(), t) for n, t in trained.items())
     resumed = run("--resume", str(ckpt))
     assert sorted(resumed) == [3] and resumed[3] == full[3]

@@ -26,7 +26,7 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == ["step-000002", "step-000003"]  # no *.tmp left behind
+    assert saved == ["final", "step-000002", "step-000003"]  # no *.tmp left behind
     state = json.loads((tmp_path / "step-000002" / "trainer.json").read_text())
     assert state["step"] == 2 and state["config"]["lora_rank"] == 4
     # Resuming from step 2 runs exactly one more step.
@@ -198,3 +198,25 @@ def test_tokenize_then_train(tmp_path, capsys):
               "--text-field", "body"])
     with pytest.raises(SystemExit, match="no tokenizer for --model 'tiny'"):
         main(["tokenize", str(tmp_path / "b.txt"), "--model", "tiny", "--output", str(out)])
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_final_export_loads_with_transformers_and_peft(tmp_path, lora_rank):
+    """<output_dir>/final: the whole model (AutoModelForCausalLM) or the adapter (PeftModel on
+    the base) holding the trained weights."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from oomb.presets import load_model
+    cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), lora_rank=lora_rank)
+    train(cfg)
+    trained = load_file(tmp_path / "step-000003" / "model.safetensors")  # the trainable tensors, step 3
+    if lora_rank:
+        import peft
+        torch.manual_seed(cfg.seed)  # the trainer's base: the preset's seeded random weights
+        base = load_model("tiny")
+        model = peft.PeftModel.from_pretrained(base, tmp_path / "final")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
+    params = dict(model.named_parameters())
+    assert trained and all(torch.equal(params[n].detach(), t) for n, t in trained.items())

@@ -4,6 +4,9 @@
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
         optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP)
         trainer.json        step, config
+    <output_dir>/final/     at the end: the trained model as transformers writes it
+                            (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
+                            does (PeftModel.from_pretrained on the base), plus the tokenizer
 """
 from __future__ import annotations
 
@@ -54,6 +57,43 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
         os.replace(tmp, final)  # atomic: a reader sees the old checkpoint or the new one, never half
     _barrier()
     return final
+
+
+def export(output_dir: str | Path, model, source: str, write: bool = True) -> Path:
+    """The trained model (or adapter) in transformers / PEFT format under <output_dir>/final.
+
+    Every rank calls this: tensor-parallel shards are gathered one parameter at a time and
+    only the writing rank keeps them (host memory: one model, on one rank).
+    """
+    final = Path(output_dir) / "final"
+    tmp = final.with_name(final.name + ".tmp")
+    state = None
+    if any(isinstance(t, DTensor) for t in model.state_dict().values()):
+        state = {}
+        for name, tensor in model.state_dict().items():
+            whole = _full(tensor)
+            if write:
+                state[name] = whole.cpu()
+    if write:
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=state)  # None: transformers reads the parameters shard by shard
+        _save_tokenizer(source, tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    _barrier()
+    return final
+
+
+def _save_tokenizer(source: str, path: Path) -> None:
+    """The checkpoint's tokenizer beside the model (a preset has none)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError):
+        return
+    tokenizer.save_pretrained(path)
 
 
 def _optimizer_file(sharded: bool) -> str:

@@ -142,6 +142,11 @@ def train(cfg: TrainConfig) -> list[float]:
             path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
             if rank0:
                 print(f"saved {path}", flush=True)
+    if cfg.output_dir:
+        path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
+        if rank0:
+            how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
+            print(f"exported {path} (load with {how})", flush=True)
     if distributed:
         dist.destroy_process_group()
     return losses
