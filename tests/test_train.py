@@ -220,3 +220,18 @@ def test_final_export_loads_with_transformers_and_peft(tmp_path, lora_rank):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
     params = dict(model.named_parameters())
     assert trained and all(torch.equal(params[n].detach(), t) for n, t in trained.items())
+
+
+def test_plan_counts_the_sparse_representatives_and_selections():
+    """The plan's sparse bytes equal what the engine keeps: representatives of every stored
+    page of the full layers, and each chunk's selection (a partial last chunk included)."""
+    from oomb.plan import plan
+    from tiny_models import make_model
+    model = make_model("gpt_oss", layers=4)  # 2 sliding-window layers (dense, no representatives), 2 full
+    sparse = oomb.TopKPages(budget=2, block_queries=16, chunk_budget=3)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16, backend="torch", sparse=sparse)
+    engine.forward_backward(torch.randint(0, 97, (2, 300)))  # 5 chunks, the last 44 tokens
+    p = plan(model.config, 300, batch=2, chunk_size=64, page_size=16, dtype=torch.float32, sparse=sparse)
+    assert p.representatives == engine.store.reps.numel() * engine.store.reps.element_size() > 0
+    kept = sum(t.numel() * t.element_size() for sel in engine._selection.values() for t in sel)
+    assert p.selections == kept > 0 and {i for _, i in engine._selection} == {1, 3}  # the full layers

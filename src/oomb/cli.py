@@ -50,6 +50,7 @@ def parse_bytes(text: str) -> int:
 def cmd_plan(args) -> None:
     from transformers import AutoConfig
 
+    from .attention.sparse import TopKPages
     from .plan import human_bytes, longest_context, place, plan
     from .presets import PRESETS, preset_config
 
@@ -58,10 +59,12 @@ def cmd_plan(args) -> None:
     trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
     opt_bytes = 8 if args.optimizer == "adamw" else 0
 
+    sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
+
     def step_plan(seq_len):
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
-                    checkpoint_layers=args.checkpoint_layers)
+                    checkpoint_layers=args.checkpoint_layers, sparse=sparse)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -75,13 +78,13 @@ def cmd_plan(args) -> None:
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {args.chunk_size}, page {args.page_size}, "
               f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}")
         print(p.table())
-        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token")
+        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
+              f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections)")
         print(placement(seq_len).summary())
     if not args.json:
         longest = longest_context(lambda n: placement(n).fits, args.chunk_size)
         print(f"longest context that fits with offload {args.offload}: {longest:,} tokens "
-              f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)}; dense pages: sparse "
-              "attention stores the same pages)")
+              f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)})")
 
 
 def lora_params(config, rank: int) -> int:
@@ -147,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
+    p_plan.add_argument("--sparse-budget", type=int, default=0,
+                        help="> 0: top-k sparse attention (its page representatives and kept selections)")
     p_plan.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
                         help="none: gradients only (the engine benchmarks)")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")

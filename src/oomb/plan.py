@@ -30,6 +30,8 @@ class MemoryPlan:
     page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
     full_layers: int = 0  # layers whose pages may go to the host (full attention)
     window_pages: int = 0  # bytes of the sliding-window layers' pages (a few per chunk; always on the GPU)
+    representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
+    selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
 
     @property
     def working_set(self) -> int:
@@ -42,7 +44,8 @@ class MemoryPlan:
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.optimizer + self.pages + self.working_set
+        return (self.weights + self.grads + self.optimizer + self.pages + self.representatives + self.selections
+                + self.working_set)
 
     def bytes_per_token(self) -> float:
         """Page bytes per token of context (the slope of memory against context length)."""
@@ -55,8 +58,10 @@ class MemoryPlan:
         rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
                 ("one chunk's activations (est.)", self.chunk_activations),
-                ("logits slice + grad", self.logits_slice), ("embedding gradient (transient)", self.embedding_grad),
-                ("total", self.total)]
+                ("logits slice + grad", self.logits_slice), ("embedding gradient (transient)", self.embedding_grad)]
+        if self.representatives or self.selections:
+            rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections)]
+        rows.append(("total", self.total))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
 
@@ -64,12 +69,13 @@ class MemoryPlan:
 def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
          trainable_params: int | None = None, optimizer_bytes_per_param: int = 8,
-         checkpoint_layers: bool = False, n_params: int | None = None) -> MemoryPlan:
+         checkpoint_layers: bool = False, n_params: int | None = None, sparse=None) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
     (8 B) per trainable parameter. n_params: the model's parameter count (default: counted on
     a meta-device instance of the config, so mixtures of experts are counted right).
+    sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
@@ -111,7 +117,28 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         page_bytes=spec.page_bytes,
         full_layers=sum(1 for w in windows if not w),
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
+        **_sparse_bytes(sparse, seq_len, batch, chunk_size, chunk_pages, kv_heads, head_dim, item,
+                        n_full=sum(1 for w in windows if not w)),
     )
+
+
+def _sparse_bytes(sparse, seq_len, batch, chunk_size, chunk_pages, kv_heads, head_dim, item, n_full) -> dict:
+    """Representatives of every stored page, and each chunk's selection (attention/sparse.py:
+    int32 candidates, per-block picks in the smallest type that indexes them), full layers."""
+    if sparse is None:
+        return {}
+    n_chunks = -(-seq_len // chunk_size)
+    reps = (n_chunks - 1) * chunk_pages * batch * kv_heads * sparse.rep_size * head_dim * item
+    chosen = 0
+    for c in range(n_chunks):
+        earlier = c * chunk_pages
+        cand, keep = min(sparse.chunk_budget, earlier), min(sparse.budget, earlier)
+        if keep == 0:
+            continue
+        index = 1 if cand <= 256 else 2 if cand <= 2**15 else 4
+        blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
+        chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
+    return {"representatives": n_full * reps, "selections": n_full * chosen}
 
 
 def _window(config, layer: int) -> int:
@@ -172,9 +199,9 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
     while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + GPU_MARGIN_BYTES
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
     n_layers = p.full_layers
-    layer = (p.pages - p.window_pages) // max(1, n_layers)
+    layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
     staging = 2 * staging_pages * p.batch * p.page_bytes
     if offload == "none":
         on_gpu = n_layers

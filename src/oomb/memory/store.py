@@ -48,6 +48,7 @@ class PagedKVStore:
         self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
         self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages), self.rep_size)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
+        self._rep_row = self._rep_rows()  # full device layer -> row of self.reps
         self._chunk_slots: dict[int, list[int]] = {}
 
     # -- placement and capacity -------------------------------------------------------------
@@ -62,6 +63,12 @@ class PagedKVStore:
                                   self.rep_size)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
+        self._rep_row = self._rep_rows()
+
+    def _rep_rows(self) -> dict[int, int]:
+        """Rows of the device representatives: full-attention device layers only (sliding-window
+        layers attend densely, host layers keep theirs on the host)."""
+        return {layer: i for i, layer in enumerate(x for x in self._row if x not in self.tail_pages)}
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         """Make room for `max_pages` pages per layer and sequence; the store must be empty."""
@@ -81,7 +88,7 @@ class PagedKVStore:
             self.table = torch.full((len(self._row), batch, max_pages), -1, dtype=torch.int32, device=self.device)
         self.host.begin_step(batch, max_pages)
         if self.rep_size:
-            shape = (len(self._row), batch, max_pages, self.spec.n_kv_heads, self.rep_size, self.spec.head_dim)
+            shape = (len(self._rep_row), batch, max_pages, self.spec.n_kv_heads, self.rep_size, self.spec.head_dim)
             if self.reps is None or self.reps.shape[:2] != shape[:2] or self.reps.shape[2] < max_pages:
                 self.reps = None
                 self.reps = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
@@ -104,7 +111,7 @@ class PagedKVStore:
 
     def device_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the pool for a step, plus the host layers' staging buffers."""
-        reps = len(self._row) * batch * max_pages * self.host.rep_bytes
+        reps = len(self._rep_row) * batch * max_pages * self.host.rep_bytes
         return self.device_pages(batch, max_pages) * self.spec.page_bytes + reps + self.host.staging_bytes(batch, max_pages)
 
     # -- per chunk ------------------------------------------------------------------------
@@ -143,9 +150,9 @@ class PagedKVStore:
             if self.rep_size:
                 self.host.write_reps(layer, first_page, page_representatives(k, n_pages, self.representative))
             return self.host.write(layer, first_page, k, v)
-        if self.rep_size:
+        if self.rep_size and layer not in self.tail_pages:  # sliding-window layers attend densely
             reps = page_representatives(k, n_pages, self.representative)
-            self.reps[self._row[layer], :, first_page : first_page + n_pages] = reps
+            self.reps[self._rep_row[layer], :, first_page : first_page + n_pages] = reps
         skip = n_pages - self.kept(layer, n_pages)  # a windowed layer's pages no window reaches
         k, v = k[:, :, skip * self.spec.page_size :], v[:, :, skip * self.spec.page_size :]
         first_page, n_pages = first_page + skip, n_pages - skip
@@ -180,7 +187,7 @@ class PagedKVStore:
         """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
         if layer not in self._row:
             return self.host.representatives(layer, n_pages)
-        return self.reps[self._row[layer], :, :n_pages]
+        return self.reps[self._rep_row[layer], :, :n_pages]
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
