@@ -133,6 +133,7 @@ def cmd_tokenize(args) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from .train.config import TrainConfig
+    from .train.data import BIN_DTYPES
 
     parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     p_eval = sub.add_parser("eval", help="loss of a model on data, no gradients")
     p_eval.add_argument("--model", default="tiny")
     p_eval.add_argument("--data", default="copy", help="copy, a .npy token file or a .bin file")
-    p_eval.add_argument("--data-dtype", choices=["uint16", "uint32", "int32"], default="uint16",
+    p_eval.add_argument("--data-dtype", choices=BIN_DTYPES, default="uint16",
                         help="of a .bin file's token ids")
     p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
     p_eval.add_argument("--batches", type=int, default=4)

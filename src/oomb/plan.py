@@ -90,6 +90,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     stored_pages = (n_chunks - 1) * chunk_pages  # the last chunk is never stored
     # Sliding-window layers keep only the pages of a chunk that a later window reaches (the engine's tails).
     windows = [_window(config, i) for i in range(n_layers)]
+    n_full = sum(1 for w in windows if not w)
     layer_pages = [stored_pages if not w else (n_chunks - 1) * min(chunk_pages, -(-(w - 1) // page_size))
                    for w in windows]
     tokens = batch * min(chunk_size, seq_len)
@@ -115,19 +116,18 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
         page_bytes=spec.page_bytes,
-        full_layers=sum(1 for w in windows if not w),
+        full_layers=n_full,
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
-        **_sparse_bytes(sparse, seq_len, batch, chunk_size, chunk_pages, kv_heads, head_dim, item,
-                        n_full=sum(1 for w in windows if not w)),
+        **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
 
-def _sparse_bytes(sparse, seq_len, batch, chunk_size, chunk_pages, kv_heads, head_dim, item, n_full) -> dict:
+def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item,
+                  n_full) -> dict:
     """Representatives of every stored page, and each chunk's selection (attention/sparse.py:
     int32 candidates, per-block picks in the smallest type that indexes them), full layers."""
     if sparse is None:
         return {}
-    n_chunks = -(-seq_len // chunk_size)
     reps = (n_chunks - 1) * chunk_pages * batch * kv_heads * sparse.rep_size * head_dim * item
     chosen = 0
     for c in range(n_chunks):

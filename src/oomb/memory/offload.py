@@ -56,6 +56,7 @@ class HostPages:
         self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
+        self.rep_staging: torch.Tensor | None = None  # one host layer's representatives, on the device
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
         self.stored = [self._event(), self._event()]
@@ -89,7 +90,6 @@ class HostPages:
             dtypes = (s.dtype, s.dtype) + ((s.grad_dtype, s.grad_dtype) if s.grads else ())
             self.arena = {layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in dtypes]
                           for layer in self.layers}
-            self.rep_staging = None
             if self.rep_size:
                 reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
                 for layer in self.layers:

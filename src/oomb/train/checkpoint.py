@@ -52,9 +52,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
                    tmp / _optimizer_file(sharded))
     _barrier()
     if write:
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)  # atomic: a reader sees the old checkpoint or the new one, never half
+        _publish(tmp, final)
     _barrier()
     return final
 
@@ -68,7 +66,7 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
     final = Path(output_dir) / "final"
     tmp = final.with_name(final.name + ".tmp")
     state = None
-    if any(isinstance(t, DTensor) for t in model.state_dict().values()):
+    if any(isinstance(p, DTensor) for p in model.parameters()):
         state = {}
         for name, tensor in model.state_dict().items():
             whole = _full(tensor)
@@ -78,11 +76,17 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
         shutil.rmtree(tmp, ignore_errors=True)
         model.save_pretrained(tmp, state_dict=state)  # None: transformers reads the parameters shard by shard
         _save_tokenizer(source, tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        _publish(tmp, final)
     _barrier()
     return final
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Put a fully written directory in place of `final` (a reader sees the old one or the new
+    one, never half of either)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
 
 
 def _save_tokenizer(source: str, path: Path) -> None:

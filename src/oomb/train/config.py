@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .data import BIN_DTYPES
+
 
 @dataclass
 class TrainConfig:
@@ -55,8 +57,8 @@ class TrainConfig:
         if self.liger and self.tp > 1:
             raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
                              "inputs; train with tp=1 or without liger")
-        if self.data_dtype not in ("uint16", "uint32", "int32"):
-            raise ValueError(f"data_dtype={self.data_dtype!r} must be uint16, uint32 or int32")
+        if self.data_dtype not in BIN_DTYPES:
+            raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 
