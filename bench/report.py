@@ -33,7 +33,7 @@ def by_run(rows: list[dict]) -> dict:
     """Rows grouped by the run that produced them: (commit, date, gpu) -> rows."""
     runs = defaultdict(list)
     for r in rows:
-        runs[(r.get("commit"), r.get("date", "")[:10], r.get("gpu"))].append(r)
+        runs[((r.get("commit") or "")[:7], r.get("date", "")[:10], r.get("gpu"))].append(r)
     return runs
 
 
