@@ -7,6 +7,8 @@ sequence (tensor parallel); the other ranks each take their own sequence (data p
     torchrun --nproc-per-node 1 bench/bench_parallel.py --lengths 256K   # the DP baseline: 1 GPU
     torchrun --nproc-per-node 2 bench/bench_parallel.py --lengths 256K   # DP=2
     torchrun --nproc-per-node 4 bench/bench_parallel.py --lengths 256K   # DP=4
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --tp 2 --lengths 64K --layers 8 --profile /tmp/tp \
+        && python bench/trace_gaps.py /tmp/tp   # where a TP step's time goes (rank 0)
 
 DP scaling efficiency = tokens/s per GPU on N GPUs / tokens/s of the 1-GPU run (bench/report.py
 computes it from rows of the same commit). Rank 0 appends one JSON line per (impl, length) to
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import record, run_info  # noqa: E402
+from common import profiled, record, run_info  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
@@ -45,6 +47,8 @@ def main() -> None:
     ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
     ap.add_argument("--device", default="cuda", help="cpu: gloo smoke run (with --model tiny)")
+    ap.add_argument("--profile", default="", help="a directory: rank 0 profiles the last length's step into it "
+                    "(then: python bench/trace_gaps.py DIR)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "parallel.jsonl"))
     args = ap.parse_args()
     if "WORLD_SIZE" not in os.environ:
@@ -87,11 +91,13 @@ def main() -> None:
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
             dist.barrier()
+            profile = bool(args.profile) and rank == 0 and length == lengths[-1]
             t0 = time.perf_counter()
-            result = engine.forward_backward(ids, num_tokens=global_token_count(ids, dp_group))
-            all_reduce_gradients(model, dp_group)
-            if cuda:
-                torch.cuda.synchronize(device)
+            with profiled(profile, args.profile, f"{impl}-tp{args.tp}"):
+                result = engine.forward_backward(ids, num_tokens=global_token_count(ids, dp_group))
+                all_reduce_gradients(model, dp_group)
+                if cuda:
+                    torch.cuda.synchronize(device)
             dist.barrier()
             dt = time.perf_counter() - t0
             stats = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0, dt],
@@ -107,7 +113,7 @@ def main() -> None:
                        "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
                        "peak_gib": round(float(stats[0]), 2) if cuda else None, "loss": round(float(loss), 4),
-                       **info}
+                       **({"profiled": True} if profile else {}), **info}
                 record(args.out, row)
         del engine
         model.zero_grad(set_to_none=True)

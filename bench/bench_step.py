@@ -15,7 +15,6 @@ memory, and the oomb memory plan for comparison.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import resource
@@ -27,7 +26,7 @@ from functools import partial
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import record, run_info  # noqa: E402
+from common import profiled, record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
 
@@ -85,16 +84,6 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
     return hf_step, lambda tokens: None
 
 
-def _profiled(enabled: bool, out_dir: str, impl: str):
-    """torch.profiler around one step (CPU + CUDA), its trace written to out_dir; else nothing."""
-    if not enabled:
-        return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
-
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                   on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=impl))
-
-
 def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
@@ -124,7 +113,7 @@ def worker(args) -> None:
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
         try:
-            with _profiled(profile, args.profile, args.impl) as prof:
+            with profiled(profile, args.profile, args.impl) as prof:
                 loss = float(step(ids))
             if cuda:
                 torch.cuda.synchronize()

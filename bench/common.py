@@ -1,6 +1,7 @@
 """What every benchmark shares: run metadata and the results files docs/benchmarks.md is made from."""
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -35,3 +36,14 @@ def record(path: str, row: dict) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
+
+
+def profiled(enabled: bool, out_dir: str, name: str):
+    """torch.profiler around a step (CPU + CUDA), its trace written to out_dir (read it with
+    bench/trace_gaps.py); else nothing."""
+    if not enabled:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=name))

@@ -28,16 +28,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from .models import adapter_for
 
+
 def init_distributed(tp: int = 1) -> DeviceMesh:
     """Process group from torchrun's environment and a (dp, tp) mesh over all ranks."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world % tp:
         raise ValueError(f"--tp {tp} does not divide the {world} processes; use a divisor of {world}")
     cuda = torch.cuda.is_available()
+    device = None
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
     return init_device_mesh("cuda" if cuda else "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
