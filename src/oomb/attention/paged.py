@@ -76,6 +76,31 @@ def _own_key_tiles(q_lo, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
 
 
 @triton.jit
+def _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
+               stride_tb, stride_tp, stride_ps, stride_ph, stride_pn,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
+    """The t-th page key tile a query tile visits: the offset of its first key in the K/V
+    pools, and which (query, key) pairs a sliding window lets through (key positions relative
+    to the chunk's start: negative for earlier pages)."""
+    tiles_per_page = PAGE_SIZE // BLOCK_N
+    slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
+    base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
+    kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
+    return base, kpos[None, :] > offs_m[:, None] - window
+
+
+@triton.jit
+def _diagonal_visible(cols, offs_m, C, window, WINDOWED: tl.constexpr):
+    """Own keys `cols` of a diagonal tile: which each query sees (causal j <= i, j < C, and
+    inside the window), and which are inside the chunk (keys past it are padding)."""
+    in_chunk = cols < C
+    visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
+    if WINDOWED:
+        visible = visible & (cols[None, :] > offs_m[:, None] - window)
+    return visible, in_chunk
+
+
+@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
                     MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
     """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N)."""
@@ -135,13 +160,10 @@ def _paged_attn_fwd(
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
     for t in range(t_lo, t_hi):
-        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
-        base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
+        base, in_window = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
+                                     stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, SPARSE)
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
-        # Sliding window: key positions relative to the chunk's start (negative: earlier pages).
-        kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
-        in_window = kpos[None, :] > offs_m[:, None] - window
         acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
                                         qk_scale, WINDOWED, IN_PRECISION)
 
@@ -157,15 +179,12 @@ def _paged_attn_fwd(
             v_ptrs = v_base + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
                                             qk_scale, False, IN_PRECISION)
-        # Diagonal tiles: causal mask j <= i, and j < C (keys past the chunk are padding).
+        # Diagonal tiles: masked.
         for start_n in range(masked_lo, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
             cols = start_n + offs_n
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             v_ptrs = v_base + cols[:, None] * stride_vn + offs_d[None, :] * stride_vd
-            in_chunk = cols < C
-            visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
-            if WINDOWED:
-                visible = visible & (cols[None, :] > offs_m[:, None] - window)
+            visible, in_chunk = _diagonal_visible(cols, offs_m, C, window, WINDOWED)
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs,
                                             kT_mask & in_chunk[None, :], v_mask & in_chunk[:, None], visible,
                                             qk_scale, True, IN_PRECISION)
@@ -430,12 +449,10 @@ def _paged_attn_bwd_dq(
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
     for t in range(t_lo, t_hi):
-        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
-        base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
+        base, in_window = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
+                                     stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, SPARSE)
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
-        in_window = kpos[None, :] > offs_m[:, None] - window
         dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
                           IN_PRECISION)
 
@@ -450,12 +467,9 @@ def _paged_attn_bwd_dq(
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, kv_mask, qk_scale, False, IN_PRECISION)
         for start_n in range(masked_lo, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
             cols = start_n + offs_n
-            in_chunk = cols < C
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
-            visible = (cols[None, :] <= offs_m[:, None]) & in_chunk[None, :]
-            if WINDOWED:
-                visible = visible & (cols[None, :] > offs_m[:, None] - window)
+            visible, in_chunk = _diagonal_visible(cols, offs_m, C, window, WINDOWED)
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask & in_chunk[None, :], visible,
                               qk_scale, True, IN_PRECISION)
 
