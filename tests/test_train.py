@@ -26,12 +26,14 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == ["final", "step-000002", "step-000003"]  # no *.tmp left behind
+    assert saved == ["final", "metrics.jsonl", "step-000002", "step-000003"]  # no *.tmp left behind
     state = json.loads((tmp_path / "step-000002" / "trainer.json").read_text())
     assert state["step"] == 2 and state["config"]["lora_rank"] == 4
     # Resuming from step 2 runs exactly one more step.
-    losses = train(TrainConfig(**SMALL, lora_rank=4, resume=str(tmp_path / "step-000002")))
+    losses = train(TrainConfig(**SMALL, lora_rank=4, resume=str(tmp_path / "step-000002"), output_dir=str(tmp_path)))
     assert len(losses) == 1
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 3]  # the resumed run appends its step 3
 
 
 def test_sparse_minimum_memory_settings_train(capsys):
@@ -235,3 +237,30 @@ def test_plan_counts_the_sparse_representatives_and_selections():
     assert p.representatives == engine.store.reps.numel() * engine.store.reps.element_size() > 0
     kept = sum(t.numel() * t.element_size() for sel in engine._selection.values() for t in sel)
     assert p.selections == kept > 0 and {i for _, i in engine._selection} == {1, 3}  # the full layers
+
+
+def test_gradient_accumulation_equals_one_big_batch(monkeypatch, tmp_path, capsys):
+    """2 micro-batches of 1 sequence per step train exactly as 1 batch of 2 (same data): same
+    losses over two steps (the second one after an optimizer update) and gradient norms."""
+    torch.manual_seed(1)
+    tokens = torch.randint(0, 256, (4, 256))
+
+    def fixed_data(source, vocab, seq_len, batch, seed=0, dtype="uint16"):
+        for i in range(0, len(tokens), batch):
+            yield tokens[i : i + batch], tokens[i : i + batch]
+
+    monkeypatch.setattr("oomb.train.trainer.make_data", fixed_data)
+    cfg = {**SMALL, "steps": 2, "lr": 1e-2}
+    big = train(TrainConfig(**cfg, batch=2))
+    norms_big = [line.split("grad_norm ")[1].split()[0] for line in capsys.readouterr().out.splitlines()
+                 if "grad_norm" in line]
+    accumulated = train(TrainConfig(**cfg, batch=1, grad_accum=2, output_dir=str(tmp_path)))
+    out = capsys.readouterr().out
+    norms_acc = [line.split("grad_norm ")[1].split()[0] for line in out.splitlines() if "grad_norm" in line]
+    assert "2 micro-batches of 1 x 256 tokens a step" in out
+    assert accumulated == pytest.approx(big, rel=1e-5) and norms_acc == norms_big
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and rows[0]["tokens"] == 512
+    assert rows[1]["loss"] == pytest.approx(accumulated[1])
+    with pytest.raises(ValueError, match="grad_accum=0 must be >= 1"):
+        TrainConfig(grad_accum=0)

@@ -12,7 +12,8 @@ class TrainConfig:
     data: str = "copy"  # 'copy' (built-in long-context task), a .npy token file (oomb tokenize) or a .bin file
     data_dtype: str = "uint16"  # of a .bin file's ids: uint16 | uint32 (vocabularies above 65,536) | int32
     seq_len: int = 4096
-    batch: int = 1
+    batch: int = 1  # sequences per micro-batch (per data-parallel rank)
+    grad_accum: int = 1  # micro-batches per optimizer step (gradients summed, loss normalised over all of them)
     steps: int = 30
     lr: float = 3e-3
     weight_decay: float = 0.0
@@ -39,7 +40,8 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("steps", self.steps, 1),
+        checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("grad_accum", self.grad_accum, 1),
+                  ("steps", self.steps, 1),
                   ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
                   ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
                   ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),

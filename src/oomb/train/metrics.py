@@ -1,7 +1,10 @@
-"""Progress: one line per logged step (loss, tokens/s, memory), and a bar over the chunks of
-a step while it runs (a 1M-token step takes minutes)."""
+"""Progress: one line per logged step (loss, tokens/s, memory; also appended as JSON to
+<output-dir>/metrics.jsonl for plotting), and a bar over the chunks of a step while it runs (a
+1M-token step takes minutes)."""
 from __future__ import annotations
 
+import json
+import os
 import resource
 import sys
 import time
@@ -19,18 +22,27 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class StepLogger:
-    def __init__(self, total_steps: int, device: torch.device, stream=sys.stdout) -> None:
+    def __init__(self, total_steps: int, device: torch.device, stream=sys.stdout, metrics: str | None = None) -> None:
         self.total_steps = total_steps
         self.device = device
         self.stream = stream
+        self.metrics = metrics  # a .jsonl path, appended to (a resumed run continues the same file)
+        if metrics:
+            os.makedirs(os.path.dirname(metrics) or ".", exist_ok=True)
         self.start = time.perf_counter()
 
     def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float) -> None:
         elapsed = time.perf_counter() - self.start
         eta = elapsed / step * (self.total_steps - step) if step else 0.0
+        mem = peak_memory_gib(self.device)
         print(f"step {step:>5}/{self.total_steps}  loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
-              f"lr {lr:.2e}  grad_norm {grad_norm:.3f}  mem {peak_memory_gib(self.device):.2f} GiB  "
+              f"lr {lr:.2e}  grad_norm {grad_norm:.3f}  mem {mem:.2f} GiB  "
               f"elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
+        if self.metrics:
+            row = {"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
+                   "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm, "peak_mem_gib": round(mem, 3)}
+            with open(self.metrics, "a") as f:
+                f.write(json.dumps(row) + "\n")
 
 
 @contextmanager

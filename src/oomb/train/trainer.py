@@ -96,30 +96,38 @@ def train(cfg: TrainConfig) -> list[float]:
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
-    for _ in range(step):  # a resumed run sees the batches it would have seen
+    for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
         next(data)
 
     n_params = sum(p.numel() for p in params)
     if rank0:
+        accum = f"{cfg.grad_accum} micro-batches of " if cfg.grad_accum > 1 else ""
         layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
         print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
               f"on {device}{layout}, backend {engine.backend}, offload {cfg.offload}, "
-              f"{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
+              f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
               f"{cfg.steps} steps", flush=True)
-    logger = StepLogger(cfg.steps, device)
+    metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
+    logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     losses = []
     while step < cfg.steps:
-        input_ids, labels = next(data)
-        if int(input_ids.max()) >= vocab:
-            raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size={vocab}; "
-                             "the data was tokenised for another model")
+        micro = [next(data) for _ in range(cfg.grad_accum)]
+        for input_ids, _ in micro:
+            if int(input_ids.max()) >= vocab:
+                raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size={vocab}; "
+                                 "the data was tokenised for another model")
         t0 = time.perf_counter()
-        count = global_token_count(labels, dp_group)
-        with chunk_progress(f"step {step + 1}", enabled=rank0) as progress:
-            result = engine.forward_backward(input_ids, labels, num_tokens=count, progress=progress)
+        # One denominator for the whole step: the predicted tokens of every micro-batch on every
+        # data-parallel rank, so the summed gradients are those of one big batch.
+        count = sum(global_token_count(labels, dp_group) for _, labels in micro)
+        loss_t = torch.zeros((), dtype=torch.float32, device=device)
+        for m, (input_ids, labels) in enumerate(micro):
+            desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
+            with chunk_progress(desc, enabled=rank0) as progress:
+                loss_t += engine.forward_backward(input_ids, labels, num_tokens=count, progress=progress).loss
         all_reduce_gradients(model, dp_group)
         grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
         optimizer.step()
@@ -128,7 +136,6 @@ def train(cfg: TrainConfig) -> list[float]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         step += 1
-        loss_t = result.loss.clone()
         if distributed:
             dist.all_reduce(loss_t, group=dp_group)  # each rank's CE sum / the global count
         loss = float(loss_t)
@@ -136,7 +143,7 @@ def train(cfg: TrainConfig) -> list[float]:
             raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr (now {cfg.lr}) or check the data")
         losses.append(loss)
         if rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-            logger.log(step, loss, input_ids.numel() * dp_size, time.perf_counter() - t0,
+            logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
                        scheduler.get_last_lr()[0], grad_norm)
         if cfg.output_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
