@@ -205,6 +205,8 @@ class PagedKVStore:
 class _PoolGroups:
     """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
 
+    single = True  # uses no staging buffer: the previous layer may load into either
+
     def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict, group_pages: int) -> None:
         self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
         self.group_pages = group_pages
