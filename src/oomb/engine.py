@@ -138,8 +138,7 @@ class ChunkRecurrentEngine:
                     total += self._stage2_chunk(c, input_ids[:, start:end], start,
                                                 shifted_targets(labels, start, end), denominator,
                                                 last=c == len(bounds) - 1)
-                if c < len(bounds) - 1:
-                    self.store.free_chunk(c)
+                self.store.backward_done(c)
                 lead.chunk_done()
                 passes.done()
         finally:

@@ -66,6 +66,7 @@ class HostPages:
         self.stored = [self._event(), self._event()]
         # What each staging buffer holds (or is loading): (groups, group index, with dK/dV), or None
         self.staged: list[tuple | None] = [None, None]
+        self.written_back = None  # event: the write-backs of the chunks whose backward is done
         self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
 
     # -- sizes ----------------------------------------------------------------------------
@@ -85,6 +86,7 @@ class HostPages:
         return 2 * self.group_pages * batch * self.spec.page_bytes + batch * max_pages * self.rep_bytes
 
     def begin_step(self, batch: int, max_pages: int) -> None:
+        self.written_back = None
         if not self.layers:
             return
         if batch != self.batch or max_pages > self.max_pages:
@@ -163,8 +165,11 @@ class HostPages:
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
         out = []
-        if self.cuda:
-            self.copy_stream.wait_stream(self.d2h_stream)  # the last write-back of these pages
+        if self.cuda:  # the last write-back of these pages: an earlier chunk's, not the current one's
+            if self.written_back is not None:
+                self.copy_stream.wait_event(self.written_back)
+            else:
+                self.copy_stream.wait_stream(self.d2h_stream)
         for host in self.arena[layer][2:4]:
             with self._on_copy_stream(after_compute=False):
                 x = host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
@@ -174,6 +179,14 @@ class HostPages:
             n, b, h, p, d = x.shape
             out.append(x.permute(1, 2, 0, 3, 4).reshape(b, h, n * p, d))  # (B, Hkv, n*P, D)
         return out[0], out[1]
+
+    def mark_write_backs(self) -> None:
+        """A chunk's backward is queued: its write-backs are the last an earlier chunk's own dK/dV
+        wait for (`chunk_grads`). The next chunk's write-backs touch only pages before that chunk,
+        so its own-gradient loads need not wait behind them."""
+        if self.cuda and self.layers:
+            self.written_back = torch.cuda.Event()
+            self.written_back.record(self.d2h_stream)
 
     # -- transfers ------------------------------------------------------------------------
 

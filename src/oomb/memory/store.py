@@ -133,6 +133,13 @@ class PagedKVStore:
         """Return a chunk's pages (its backward is done: nothing reads them again)."""
         self.pool.free(self._chunk_slots.pop(chunk))
 
+    def backward_done(self, chunk: int) -> None:
+        """A chunk's stage 2 is queued: its pages are free (nothing reads them again), and its
+        dK/dV write-backs are the last an earlier chunk's own gradients wait for."""
+        if chunk in self._chunk_slots:  # the last chunk stores no pages
+            self.free_chunk(chunk)
+        self.host.mark_write_backs()
+
     def free_all(self) -> None:
         for chunk in list(self._chunk_slots):
             self.free_chunk(chunk)
