@@ -258,9 +258,31 @@ def test_gradient_accumulation_equals_one_big_batch(monkeypatch, tmp_path, capsy
     out = capsys.readouterr().out
     norms_acc = [line.split("grad_norm ")[1].split()[0] for line in out.splitlines() if "grad_norm" in line]
     assert "2 micro-batches of 1 x 256 tokens a step" in out
-    assert accumulated == pytest.approx(big, rel=1e-5) and norms_acc == norms_big
+    assert accumulated == pytest.approx(big, rel=1e-5) and len(norms_big) == 2 and norms_acc == norms_big
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and rows[0]["tokens"] == 512
     assert rows[1]["loss"] == pytest.approx(accumulated[1])
     with pytest.raises(ValueError, match="grad_accum=0 must be >= 1"):
         TrainConfig(grad_accum=0)
+
+
+def test_periodic_evaluation_is_the_models_held_out_loss(tmp_path, capsys):
+    """--eval-every: the held-out loss logged after the last step is transformers' loss of the
+    exported model on the same held-out batches; it is evaluated at every multiple and the end."""
+    from transformers import AutoModelForCausalLM
+
+    from oomb.train.trainer import heldout_batches
+
+    cfg = TrainConfig(**{**SMALL, "steps": 3}, eval_every=2, eval_batches=2, output_dir=str(tmp_path))
+    train(cfg)
+    out = capsys.readouterr().out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("eval")] == ["2/3", "3/3"]
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in rows if "eval_loss" in r]
+    assert [r["step"] for r in evals] == [2, 3] and evals[-1]["eval_tokens"] == 2 * 255
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    with torch.no_grad():
+        losses = [float(model(input_ids=ids, labels=labels).loss) for ids, labels in heldout_batches(cfg, 256, 0)]
+    assert evals[-1]["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
+    with pytest.raises(ValueError, match="eval_batches=0 must be >= 1"):
+        TrainConfig(eval_batches=0)

@@ -37,6 +37,9 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
     resume: str = ""  # a checkpoint directory written by this trainer
     log_every: int = 1
+    eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
+    eval_data: str = ""  # its source (as --data); empty: the training source with another seed
+    eval_batches: int = 1  # batches of the held-out set (the same ones at every evaluation)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -45,7 +48,8 @@ class TrainConfig:
                   ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
                   ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
                   ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),
-                  ("sparse_budget", self.sparse_budget, 0)]
+                  ("sparse_budget", self.sparse_budget, 0),
+                  ("eval_every", self.eval_every, 0), ("eval_batches", self.eval_batches, 1)]
         for name, value, low in checks:
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")

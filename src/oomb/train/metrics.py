@@ -1,9 +1,10 @@
-"""Progress: one line per logged step (loss, tokens/s, memory; also appended as JSON to
-<output-dir>/metrics.jsonl for plotting), and a bar over the chunks of a step while it runs (a
-1M-token step takes minutes)."""
+"""Progress: one line per logged step (loss, tokens/s, memory) and per evaluation (held-out
+loss), each also appended as JSON to <output-dir>/metrics.jsonl for plotting; and a bar over
+the chunks of a step while it runs (a 1M-token step takes minutes)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
@@ -22,10 +23,10 @@ def peak_memory_gib(device: torch.device) -> float:
 
 
 class StepLogger:
-    def __init__(self, total_steps: int, device: torch.device, stream=sys.stdout, metrics: str | None = None) -> None:
+    def __init__(self, total_steps: int, device: torch.device, stream=None, metrics: str | None = None) -> None:
         self.total_steps = total_steps
         self.device = device
-        self.stream = stream
+        self.stream = stream if stream is not None else sys.stdout  # the one of now (not of import time)
         self.metrics = metrics  # a .jsonl path, appended to (a resumed run continues the same file)
         if metrics:
             os.makedirs(os.path.dirname(metrics) or ".", exist_ok=True)
@@ -38,9 +39,17 @@ class StepLogger:
         print(f"step {step:>5}/{self.total_steps}  loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
               f"lr {lr:.2e}  grad_norm {grad_norm:.3f}  mem {mem:.2f} GiB  "
               f"elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
+        self._record({"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
+                      "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
+                      "peak_mem_gib": round(mem, 3)})
+
+    def log_eval(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+        print(f"eval {step:>5}/{self.total_steps}  loss {loss:.4f}  ppl {math.exp(min(loss, 700)):.2f}  "
+              f"({tokens:,} tokens, {seconds:.1f}s)", file=self.stream, flush=True)
+        self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3)})
+
+    def _record(self, row: dict) -> None:
         if self.metrics:
-            row = {"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
-                   "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm, "peak_mem_gib": round(mem, 3)}
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

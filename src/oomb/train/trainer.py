@@ -62,6 +62,33 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
+    same tokens and their losses compare (each data-parallel rank its own share)."""
+    data = make_data(cfg.eval_data or cfg.data, vocab, cfg.seq_len, cfg.batch,
+                     seed=cfg.seed + 7_919 + 100_003 * dp_rank, dtype=cfg.data_dtype)
+    return [next(data) for _ in range(cfg.eval_batches)]
+
+
+@torch.no_grad()
+def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list, dp_group,
+             device: torch.device) -> tuple[float, int]:
+    """Mean loss per predicted token over `batches` (and every data-parallel rank's), in eval
+    mode; the page pool is the training step's."""
+    model.eval()
+    try:
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, predicted tokens
+        for input_ids, labels in batches:
+            result = engine.evaluate(input_ids, labels)
+            total += torch.stack([result.loss.double() * result.num_tokens,
+                                  torch.tensor(float(result.num_tokens), dtype=torch.float64, device=device)])
+    finally:
+        model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=dp_group)
+    return float(total[0] / total[1]), int(total[1])
+
+
 def train(cfg: TrainConfig) -> list[float]:
     """Run cfg.steps optimizer steps; returns the loss of every step.
 
@@ -92,6 +119,7 @@ def train(cfg: TrainConfig) -> list[float]:
     # token file is checked here, before pinning host memory takes its minute.
     data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank,
                      dtype=cfg.data_dtype)
+    held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -145,6 +173,11 @@ def train(cfg: TrainConfig) -> list[float]:
         if rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
             logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
                        scheduler.get_last_lr()[0], grad_norm)
+        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+            t0 = time.perf_counter()
+            eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
+            if rank0:
+                logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
         if cfg.output_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
             path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
             if rank0:
