@@ -65,6 +65,16 @@ def test_deterministic_and_offload_identical(wide_model):
     assert_offload_modes_identical(wide_model, ids, group_pages=3)
 
 
+def test_offload_with_layer_recomputation_identical(wide_model):
+    """checkpoint_layers: stage 2 loads a layer's pages with their dK/dV when the layer after it
+    starts its backward (the previous layer's into the other staging buffer meanwhile), and the
+    recomputation and the backward share that load: 'all' and 'auto' equal 'none' bitwise, with
+    several groups a layer, one group a layer, and sparse selections."""
+    ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
+    for kwargs in ({"group_pages": 3}, {}, {"sparse": oomb.TopKPages(budget=4, chunk_budget=9)}):
+        assert_offload_modes_identical(wide_model, ids, checkpoint_layers=True, **kwargs)
+
+
 def assert_offload_modes_identical(model, ids, **engine_kwargs):
     """Two runs with offload 'none', one 'all', one 'auto' (one of the 2 layers on the host):
     torch.equal losses and gradients (deterministic kernels, exact transfers)."""
