@@ -2,7 +2,8 @@
 
     <output_dir>/step-000040/
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
-        optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP)
+        optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP;
+                            ZeRO-1's shards gathered into one file, split again on resume)
         trainer.json        step, config
     <output_dir>/final/     at the end: the trained model as transformers writes it
                             (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
@@ -47,6 +48,8 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     if write:
         save_file(state, tmp / "model.safetensors")
         (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
+    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: the ranks' shards gathered on rank 0
+        optimizer.consolidate_state_dict(to=0)
     if sharded or write:
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
                    tmp / _optimizer_file(sharded))

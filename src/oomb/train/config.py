@@ -31,6 +31,7 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
+    shard_optimizer: bool = True  # data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
     output_dir: str = ""  # where checkpoints go; empty: none are written

@@ -62,6 +62,17 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def make_optimizer(params: list, cfg: TrainConfig, shard_group=None) -> torch.optim.Optimizer:
+    """AdamW; with `shard_group`, torch's ZeroRedundancyOptimizer over it (each rank keeps the
+    state of its share of the parameters, and every rank ends the step with all of them)."""
+    kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    if shard_group is None:
+        return torch.optim.AdamW(params, **kwargs)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=shard_group, **kwargs)
+
+
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
     same tokens and their losses compare (each data-parallel rank its own share)."""
@@ -109,7 +120,11 @@ def train(cfg: TrainConfig) -> list[float]:
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     params = [p for p in model.parameters() if p.requires_grad]
+    # ZeRO-1: with data parallelism each rank updates (and keeps AdamW's state for) 1/dp of the
+    # parameters, then broadcasts them: the memory saved goes to pages ('auto').
+    zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
     adam_state = 2 * sum(p.numel() * p.element_size() for p in params)  # exp_avg, exp_avg_sq, made at step 1
+    adam_state //= dp_size if zero else 1
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                   checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
@@ -121,7 +136,7 @@ def train(cfg: TrainConfig) -> list[float]:
                      dtype=cfg.data_dtype)
     held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = make_optimizer(params, cfg, dp_group if zero else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
@@ -131,6 +146,7 @@ def train(cfg: TrainConfig) -> list[float]:
     if rank0:
         accum = f"{cfg.grad_accum} micro-batches of " if cfg.grad_accum > 1 else ""
         layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
+        layout += " (optimizer state sharded: ZeRO-1)" if zero else ""
         print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
               f"on {device}{layout}, backend {engine.backend}, offload {cfg.offload}, "
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
