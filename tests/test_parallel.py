@@ -129,29 +129,36 @@ def test_torchrun_tensor_parallel_training_resumes_exactly(tmp_path):
 
 
 def test_torchrun_data_parallel_with_sharded_optimizer_state(tmp_path):
-    """`torchrun -m oomb.cli train` on 2 data-parallel ranks: ZeRO-1 (each rank keeps half of
-    AdamW's state) trains exactly as replicated AdamW, and its checkpoint (the shards gathered
-    into one file) resumes to the same loss."""
+    """`torchrun -m oomb.cli train` on 2 data-parallel ranks: ZeRO-1 (each rank keeps AdamW's
+    state of its share of the parameters) trains exactly as replicated AdamW; each rank
+    checkpoints its share, and a resumed run reproduces steps 3 and 4 (4: after an update with
+    the restored state and learning rate)."""
     import re
     import subprocess
     import sys
 
+    from oomb.presets import load_model
+
     def run(*extra):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
                str(_free_port()), "-m", "oomb.cli", "train", "--seq-len", "256", "--chunk-size", "128",
-               "--page-size", "64", "--steps", "3", "--backend", "torch", *extra]
+               "--page-size", "64", "--steps", "4", "--backend", "torch", *extra]
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
         assert out.returncode == 0, out.stderr[-3000:]
-        return out.stdout, {int(m[0]): float(m[1]) for m in re.findall(r"step\s+(\d+)/3\s+loss ([\d.]+)", out.stdout)}
+        return out.stdout, {int(m[0]): float(m[1]) for m in re.findall(r"step\s+(\d+)/4\s+loss ([\d.]+)", out.stdout)}
 
     log, sharded = run("--output-dir", str(tmp_path), "--save-every", "2")
     assert "2 data-parallel x 1 tensor-parallel ranks (optimizer state sharded: ZeRO-1)" in log
     _, replicated = run("--no-shard-optimizer")
-    assert sorted(sharded) == [1, 2, 3] and sharded == replicated
-    state = torch.load(tmp_path / "step-000002" / "optimizer.pt", weights_only=True)["optimizer"]["state"]
-    from oomb.presets import load_model
-    n_params = len(list(load_model("tiny").parameters()))
-    # one file holds the state of every parameter (both ranks' halves)
-    assert len(state) == n_params and all({"exp_avg", "exp_avg_sq"} <= set(s) for s in state.values())
+    assert sorted(sharded) == [1, 2, 3, 4] and sharded == replicated
+    shares = [torch.load(tmp_path / "step-000002" / f"optimizer-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    counts = [len(share["optimizer"]["state"]) for share in shares]
+    assert all(share["ranks"] == 2 for share in shares) and min(counts) > 0
+    assert sum(counts) == len(list(load_model("tiny").parameters()))  # each parameter's state on one rank
     _, resumed = run("--resume", str(tmp_path / "step-000002"))
-    assert sorted(resumed) == [3] and resumed[3] == sharded[3]
+    assert sorted(resumed) == [3, 4] and resumed == {3: sharded[3], 4: sharded[4]}
+    from oomb.train.config import TrainConfig
+    from oomb.train.trainer import train
+    with pytest.raises(ValueError, match="has no optimizer.pt: it was written with another parallel layout"):
+        train(TrainConfig(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu",
+                          resume=str(tmp_path / "step-000002")))  # one process

@@ -2,8 +2,8 @@
 
     <output_dir>/step-000040/
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
-        optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP;
-                            ZeRO-1's shards gathered into one file, split again on resume)
+        optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP
+                            and under ZeRO-1: each rank's share; resume with the same layout)
         trainer.json        step, config
     <output_dir>/final/     at the end: the trained model as transformers writes it
                             (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
@@ -35,7 +35,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
     """Every rank calls this (parameters are gathered); the rank with `write` writes the model.
 
-    Under tensor parallelism each rank writes its own optimizer state (`optimizer-rank{r}.pt`).
+    Under tensor parallelism and ZeRO-1 each rank writes its own optimizer state
+    (`optimizer-rank{r}.pt`): nothing is gathered (a 7B model's AdamW state is 61 GB).
     """
     final = Path(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
@@ -48,11 +49,14 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     if write:
         save_file(state, tmp / "model.safetensors")
         (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
-    if hasattr(optimizer, "consolidate_state_dict"):  # ZeRO-1: the ranks' shards gathered on rank 0
-        optimizer.consolidate_state_dict(to=0)
-    if sharded or write:
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
-                   tmp / _optimizer_file(sharded))
+    per_rank = sharded or _is_zero(optimizer)
+    if per_rank or write:
+        local = optimizer
+        if _is_zero(optimizer):  # this rank's share, with the learning rate the scheduler set last
+            local = optimizer.optim
+            _copy_hyperparameters(optimizer.param_groups, local.param_groups)
+        torch.save({"optimizer": local.state_dict(), "scheduler": scheduler.state_dict(), "ranks": _world()},
+                   tmp / _optimizer_file(per_rank))
     _barrier()
     if write:
         _publish(tmp, final)
@@ -107,8 +111,25 @@ def _save_tokenizer(source: str, path: Path) -> None:
     tokenizer.save_pretrained(path)
 
 
-def _optimizer_file(sharded: bool) -> str:
-    return f"optimizer-rank{dist.get_rank()}.pt" if sharded else "optimizer.pt"
+def _optimizer_file(per_rank: bool) -> str:
+    return f"optimizer-rank{dist.get_rank()}.pt" if per_rank else "optimizer.pt"
+
+
+def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
+    """ZeRO-1 shows one set of param_groups (the scheduler edits them) and steps a local
+    optimizer that copies them at each step: keep the two alike around a checkpoint."""
+    for src, dst in zip(source, target):
+        dst.update({k: v for k, v in src.items() if k != "params"})
+
+
+def _is_zero(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _barrier() -> None:
@@ -134,8 +155,20 @@ def load(path: str | Path, model, optimizer, scheduler) -> int:
                 tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
             p.copy_(tensor)
     sharded = any(isinstance(p, DTensor) for p in params.values())
+    per_rank = sharded or _is_zero(optimizer)
+    file = path / _optimizer_file(per_rank)
+    if not file.is_file():
+        raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "
+                         "resume with the --tp, process count and --shard-optimizer setting it was written with")
     # DTensor optimizer state is not a plain tensor: it loads only with full unpickling.
-    opt = torch.load(path / _optimizer_file(sharded), map_location="cpu", weights_only=not sharded)
-    optimizer.load_state_dict(opt["optimizer"])
+    opt = torch.load(file, map_location="cpu", weights_only=not sharded)
+    if per_rank and opt.get("ranks") != _world():
+        raise ValueError(f"checkpoint {path} holds the optimizer shards of {opt.get('ranks')} ranks, this run has "
+                         f"{_world()}: resume with the number of processes it was written with")
+    if _is_zero(optimizer):  # this rank's share, and the hyperparameters (lr) the wrapper shows
+        optimizer.optim.load_state_dict(opt["optimizer"])
+        _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
+    else:
+        optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     return json.loads((path / "trainer.json").read_text())["step"]
