@@ -8,6 +8,7 @@ counters), one after the other in the same command.
     python bench/bench_step.py --impls oomb-sparse-auto --lengths 64K,256K,1M --kv-grad-dtype bf16
     python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
     python bench/bench_step.py --impls oomb,liger --oomb-liger --lengths 64K   # oomb with Liger's norm/MLP
+    python bench/bench_step.py --impls oomb,liger --oomb-compile --lengths 64K  # oomb's layers via torch.compile
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
@@ -62,7 +63,8 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
                 "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
 
 
-def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False):
+def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
+            compile_layers: bool = False):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
@@ -73,7 +75,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="auto",
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
-                                           checkpoint_layers=checkpoint_layers)
+                                           checkpoint_layers=checkpoint_layers, compile_layers=compile_layers)
         return (lambda ids: engine.forward_backward(ids).loss), partial(engine.reserve, 1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -90,7 +92,9 @@ def worker(args) -> None:
     oomb_liger = args.oomb_liger and args.impl in OOMB_OFFLOAD
     model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
-    step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers)
+    compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
+    step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
+                            compile_layers)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -108,7 +112,7 @@ def worker(args) -> None:
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
-               "liger": oomb_liger or args.impl == "liger",
+               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -149,6 +153,7 @@ def main() -> None:
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32", help="oomb's dK/dV pages")
     ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
     ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
+    ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
@@ -168,6 +173,8 @@ def main() -> None:
             cmd.append("--checkpoint-layers")
         if args.oomb_liger:
             cmd.append("--oomb-liger")
+        if args.oomb_compile:
+            cmd.append("--oomb-compile")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         try:

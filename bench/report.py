@@ -41,7 +41,8 @@ def _label(r: dict) -> str:
     """The implementation's column name: bf16 dK/dV pages are a configuration of their own."""
     return (r["impl"] + (" bf16-dKV" if r.get("kv_grad_dtype") == "bf16" else "")
             + (" ckpt-layers" if r.get("checkpoint_layers") else "")
-            + (" +liger" if r.get("liger") and r["impl"] != "liger" else ""))
+            + (" +liger" if r.get("liger") and r["impl"] != "liger" else "")
+            + (" +compile" if r.get("compile") else ""))
 
 
 def step_table(rows: list[dict]) -> str:

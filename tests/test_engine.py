@@ -270,3 +270,20 @@ def test_evaluation_only_engine_has_no_gradient_pages(offload):
         assert [len(t) for t in engine.store.host.arena.values()] == [2, 2]  # K and V only
     with pytest.raises(ValueError, match="kv_grad_dtype=None \\(evaluation only"):
         engine.forward_backward(ids)
+
+
+def test_compiled_layers_equal_full_sequence():
+    """compile_layers=True: torch.compile runs the norms, projections, RoPE and MLP (stage 1
+    without autograd, stage 2 with, layer recomputation, a shorter last chunk) and the
+    gradients still equal transformers' full-sequence training."""
+    model = make_model("qwen3", layers=2)  # q/k norms inside the compiled projection
+    ids = torch.randint(0, VOCAB, (1, 150), generator=torch.Generator().manual_seed(3))
+    ref_loss, ref_grads = full_sequence_grads(model, ids, ids)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16, backend="torch", compile_layers=True,
+                                       checkpoint_layers=True)
+    loss = engine.forward_backward(ids).loss
+    assert rel_err(loss, ref_loss) <= 1e-5
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, ref_grads[n]) <= 1e-4, n
+    with pytest.raises(ValueError, match="GptOssForCausalLM layers are not compiled"):
+        oomb.ChunkRecurrentEngine(make_model("gpt_oss"), chunk_size=64, page_size=16, compile_layers=True)

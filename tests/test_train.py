@@ -286,3 +286,12 @@ def test_periodic_evaluation_is_the_models_held_out_loss(tmp_path, capsys):
     assert evals[-1]["eval_loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-4)
     with pytest.raises(ValueError, match="eval_batches=0 must be >= 1"):
         TrainConfig(eval_batches=0)
+
+
+def test_compiled_layers_train_like_eager():
+    """--compile (torch.compile around attention) with LoRA adapters: the same losses."""
+    cfg = {**SMALL, "steps": 2, "lora_rank": 4}
+    eager = train(TrainConfig(**cfg))
+    assert train(TrainConfig(**cfg, compile=True)) == pytest.approx(eager, rel=1e-5)
+    with pytest.raises(ValueError, match="compile=True with tp=2"):
+        TrainConfig(compile=True, tp=2)

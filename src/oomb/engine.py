@@ -51,7 +51,7 @@ class ChunkRecurrentEngine:
                  backend: str = "auto", offload: str = "none", sparse=None,
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
-                 reserved_gpu_bytes: int = 0) -> None:
+                 reserved_gpu_bytes: int = 0, compile_layers: bool = False) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -73,6 +73,8 @@ class ChunkRecurrentEngine:
         # (about +25 % compute) for one layer's activations: the minimum-memory setting.
         self.checkpoint_layers = bool(checkpoint_layers)
         self.adapter = adapter_for(model)
+        if compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
+            self.adapter.compile()
         self.chunk_size = chunk_size
         self.page_size = page_size
         self.offload = offload

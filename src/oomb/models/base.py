@@ -25,6 +25,8 @@ class DecoderAdapter:
     apply_rope: ClassVar[Callable]
     #: config.layer_types this adapter computes
     supported_layer_types: ClassVar[tuple[str, ...]] = ("full_attention",)
+    #: whether torch.compile may fuse the layer pieces (compile())
+    compilable: ClassVar[bool] = True
 
     def __init__(self, causal_lm: nn.Module) -> None:
         self.causal_lm = causal_lm
@@ -77,6 +79,19 @@ class DecoderAdapter:
                 f"config.attention_dropout={p}: oomb's paged attention has no dropout. "
                 "Set model.config.attention_dropout = 0.0 (the usual value for LLM training)."
             )
+
+    def compile(self) -> None:
+        """Run the pieces around attention (norms, projections, RoPE, MLP, residuals) through
+        torch.compile: their elementwise work fuses into few kernels. Layers share the compiled
+        code (modules are graph inputs); a new chunk length compiles once more (then dynamic)."""
+        if not self.compilable:
+            raise ValueError(f"{type(self.causal_lm).__name__} layers are not compiled by oomb "
+                             "(data-dependent expert routing); leave compile off")
+        if any(hasattr(p, "to_local") for p in self.causal_lm.parameters()):  # DTensor shards
+            raise ValueError("compile with tensor parallelism (DTensor parameters) is not supported; "
+                             "leave compile off under --tp")
+        self.project_qkv = torch.compile(self.project_qkv)
+        self.finish_layer = torch.compile(self.finish_layer)
 
     # -- the pieces the engine composes ----------------------------------------------------
 

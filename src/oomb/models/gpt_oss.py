@@ -8,6 +8,7 @@ from .base import DecoderAdapter
 
 class GptOssAdapter(DecoderAdapter):
     model_classes = ("GptOssForCausalLM",)
+    compilable = False  # the experts' routing makes data-dependent shapes
     apply_rope = staticmethod(apply_rotary_pos_emb)
     supported_layer_types = ("full_attention", "sliding_attention")
 

@@ -128,7 +128,7 @@ def train(cfg: TrainConfig) -> list[float]:
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                   checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
-                                  reserved_gpu_bytes=adam_state)
+                                  reserved_gpu_bytes=adam_state, compile_layers=cfg.compile)
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
