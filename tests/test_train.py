@@ -83,6 +83,10 @@ def test_cli_plan_json():
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(preset_config("qwen2.5-7b"))
     assert plan["weights"] == 2 * sum(p.numel() for p in model.parameters())
+    assert plan["optimizer"] == 8 * sum(p.numel() for p in model.parameters())  # AdamW: two fp32 moments
+    out = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", "--model", "qwen2.5-7b", "--seq-len", "64K",
+                          "--dp", "4", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["optimizer"] == plan["optimizer"] // 4  # ZeRO-1: a quarter per rank
 
 
 def test_cli_eval(capsys):

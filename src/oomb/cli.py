@@ -64,7 +64,7 @@ def cmd_plan(args) -> None:
     def step_plan(seq_len):
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
-                    checkpoint_layers=args.checkpoint_layers, sparse=sparse)
+                    checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")
     p_plan.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
                         help="none: gradients only (the engine benchmarks)")
+    p_plan.add_argument("--dp", type=int, default=1,
+                        help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")
     p_plan.add_argument("--host-memory", type=parse_bytes, default=parse_bytes("110GiB"),
                         help="host RAM pages may pin (default: what a 128 GiB machine leaves)")

@@ -69,13 +69,15 @@ class MemoryPlan:
 def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
          trainable_params: int | None = None, optimizer_bytes_per_param: int = 8,
-         checkpoint_layers: bool = False, n_params: int | None = None, sparse=None) -> MemoryPlan:
+         checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
+         optimizer_shards: int = 1) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
     (8 B) per trainable parameter. n_params: the model's parameter count (default: counted on
     a meta-device instance of the config, so mixtures of experts are counted right).
     sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
+    optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
@@ -107,7 +109,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         seq_len=seq_len, batch=batch,
         weights=n_params * item,
         grads=trainable * item,
-        optimizer=trainable * optimizer_bytes_per_param,
+        optimizer=-(-trainable * optimizer_bytes_per_param // optimizer_shards),
         kv_pages=sum(layer_pages) * batch * spec.kv_bytes,
         grad_pages=sum(layer_pages) * batch * spec.grad_bytes,
         # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
