@@ -36,7 +36,8 @@ def _worker(rank, world, port, mode, out):
         apply_tensor_parallel(model, mesh["tp"])
     else:  # dp: each rank its own sequence, normalised by the global count
         ids, labels = ids[rank : rank + 1], labels[rank : rank + 1]
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch")
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch",
+                                       compile_layers=mode == "tp_compile")
     count = global_token_count(labels, mesh["dp"].get_group())
     result = engine.forward_backward(ids, labels, num_tokens=count)
     loss = result.loss.clone()
@@ -66,8 +67,9 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["dp", "tp", "tp_lora"])
+@pytest.mark.parametrize("mode", ["dp", "tp", "tp_lora", "tp_compile"])
 def test_two_processes_equal_one(mode, tmp_path):
+    """tp_compile: the layers through torch.compile, which traces DTensor's collectives."""
     model = _model(mode)
     ids, labels = _batch()
     ref = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch").forward_backward(ids, labels)

@@ -28,7 +28,7 @@ class TrainConfig:
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
     liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
-    compile: bool = False  # torch.compile the layer pieces around attention (fused norms, RoPE, MLP); tp=1
+    compile: bool = False  # torch.compile the layer pieces around attention (fused norms, RoPE, MLP)
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
@@ -65,9 +65,6 @@ class TrainConfig:
         if self.liger and self.tp > 1:
             raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
                              "inputs; train with tp=1 or without liger")
-        if self.compile and self.tp > 1:
-            raise ValueError(f"compile=True with tp={self.tp}: compiled layers take no tensor-parallel (DTensor) "
-                             "weights; train with tp=1 or without compile")
         if self.data_dtype not in BIN_DTYPES:
             raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
