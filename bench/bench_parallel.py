@@ -7,6 +7,7 @@ sequence (tensor parallel); the other ranks each take their own sequence (data p
     torchrun --nproc-per-node 1 bench/bench_parallel.py --lengths 256K   # the DP baseline: 1 GPU
     torchrun --nproc-per-node 2 bench/bench_parallel.py --lengths 256K   # DP=2
     torchrun --nproc-per-node 4 bench/bench_parallel.py --lengths 256K   # DP=4
+    torchrun --nproc-per-node 2 bench/bench_parallel.py --tp 2 --lengths 256K --compile   # TP, layers compiled
     torchrun --nproc-per-node 2 bench/bench_parallel.py --tp 2 --lengths 64K --layers 8 --profile /tmp/tp \
         && python bench/trace_gaps.py /tmp/tp   # where a TP step's time goes (rank 0)
 
@@ -46,6 +47,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
+    ap.add_argument("--compile", action="store_true", help="torch.compile around attention (compile_layers)")
     ap.add_argument("--device", default="cuda", help="cpu: gloo smoke run (with --model tiny)")
     ap.add_argument("--profile", default="", help="a directory: rank 0 profiles the last length's step into it "
                     "(then: python bench/trace_gaps.py DIR)")
@@ -78,7 +80,8 @@ def main() -> None:
             sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size,
                                            offload=args.offload, kv_grad_dtype=GRAD_DTYPES[args.kv_grad_dtype],
-                                           sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None)
+                                           sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None,
+                                           compile_layers=args.compile)
         warm = torch.randint(0, vocab, (1, min(8192, lengths[0])), device=device)
         engine.forward_backward(warm)  # kernels compiled, gradients allocated
         engine.reserve(1, max(lengths))  # pages and pinned host memory, as a training run does once
@@ -110,6 +113,7 @@ def main() -> None:
                 row = {"bench": "parallel", "impl": impl, "model": args.model, "world": world, "tp": args.tp,
                        "dp": dp_size, "seq_len": length, "layers": model.config.num_hidden_layers,
                        "chunk_size": args.chunk_size, "offload": args.offload, "kv_grad_dtype": args.kv_grad_dtype,
+                       "compile": args.compile,
                        "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
                        "peak_gib": round(float(stats[0]), 2) if cuda else None, "loss": round(float(loss), 4),

@@ -118,7 +118,8 @@ def attention_table(rows: list[dict]) -> str:
 def parallel_table(rows: list[dict]) -> str:
     """One table per run of bench_parallel.py rows; DP efficiency against the 1-GPU row of the
     same commit, implementation and length."""
-    rows = [r for r in rows if not r.get("profiled")]  # the profiler slows a step: not comparable
+    # the profiler slows a step: not comparable; compiled layers are a configuration of their own
+    rows = [{**r, "impl": r["impl"] + (" +compile" if r.get("compile") else "")} for r in rows if not r.get("profiled")]
     if not rows:
         return "_no multi-GPU results yet_"
     out = []
