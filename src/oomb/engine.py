@@ -140,7 +140,8 @@ class ChunkRecurrentEngine:
                     total += self._stage2_chunk(c, input_ids[:, start:end], start,
                                                 shifted_targets(labels, start, end), denominator,
                                                 last=c == len(bounds) - 1)
-                self.store.backward_done(c)
+                if c < len(bounds) - 1:
+                    self.store.free_chunk(c)
                 lead.chunk_done()
                 passes.done()
         finally:
@@ -204,15 +205,13 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
 
-        groups = {}  # layer -> the groups of pages it reads (a recomputed layer reads the same)
-
         def layer_step(i, layer, h, cos, sin):
-            q, k, v, _ = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True, cache=groups)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
-            o = paged_attention(q, k, v, groups[i], a.scale, self.backend, a.sinks(layer))
-            return a.finish_layer(layer, h, o)
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+            return a.finish_layer(layer, h, o), groups
 
         with torch.enable_grad():
             h = a.embed_tokens(ids)
@@ -221,33 +220,33 @@ class ChunkRecurrentEngine:
                 if self.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
                     # when its backward starts.
-                    h = checkpoint(partial(layer_step, i, layer, cos=cos, sin=sin), h, use_reentrant=False)
-                else:
-                    h = layer_step(i, layer, h, cos, sin)
-                # The layer's backward starts when its output's gradient is ready: load its pages
-                # (and their dK/dV) then, and the layer before's, behind this one's compute.
-                h.register_hook(partial(_prefetch_backward, groups, i))
+                    h = checkpoint(lambda x, i=i, layer=layer: layer_step(i, layer, x, cos, sin)[0], h,
+                                   use_reentrant=False)
+                    continue
+                h, groups = layer_step(i, layer, h, cos, sin)
+                # The layer's backward starts when its output's gradient is ready: load its first
+                # group of pages (and their dK/dV) then, behind the MLP's backward.
+                h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)
         return ce_sum
 
-    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool, cache: dict | None = None):
+    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool):
         """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads.
 
         The groups are made before the projections when the pages are known (dense; sparse
         with a kept selection), so offloaded pages start moving while q/k/v are computed.
         Sparse pages depend on q: each (chunk, layer) selects once (the first pass that sees
         it: stage 1, or stage 2 for the last chunk) and keeps its selection for the other.
-        `cache` (layer -> groups) keeps the groups for a recomputation of the layer.
         """
         window = self.adapter.window(i)
         # Sliding-window layers attend densely to the few pages their window reaches.
         sparse = self.sparse is not None and not window
-        groups = None if cache is None else cache.get(i)
-        if groups is None and not sparse:
+        groups = None
+        if not sparse:
             groups = self.store.page_groups(i, n_pages, window=window)
-        elif groups is None and (c, i) in self._selection:
+        elif (c, i) in self._selection:
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
         if groups is not None and prefetch:
             groups.prefetch(False)
@@ -258,8 +257,6 @@ class ChunkRecurrentEngine:
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
             if prefetch:
                 groups.prefetch(False)
-        if cache is not None:
-            cache[i] = groups
         return q, k, v, groups
 
     # -- memory: placement and accounting, before anything of the step is computed ---------
@@ -386,16 +383,6 @@ class ChunkRecurrentEngine:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.device)
-
-
-def _prefetch_backward(groups: dict, i: int, grad: torch.Tensor) -> None:
-    """Hook on layer i's output in stage 2: its backward starts now. Load its pages with their
-    dK/dV, and the previous layer's too when layer i's fit one staging buffer (the other is
-    free), so that load hides behind layer i's backward (and, with checkpoint_layers, its
-    recomputation, which reads the same buffer)."""
-    groups[i].prefetch(True)
-    if i > 0 and groups[i].single:
-        groups[i - 1].prefetch(True)
 
 
 class _HostLead:

@@ -19,11 +19,7 @@ run at once), never by the host thread:
   written in stage 1 is never changed); a sweep's first load waits for the previous sweep's
   write-backs.
 The first group of a layer is loaded ahead (`prefetch()`, called by the engine before the
-layer's projections in forward, and in stage 2 when the layer after it starts its backward), so
-it hides behind compute too. Consecutive layers start in different buffers (layer % 2), so the
-next layer's pages load while this one computes, and each buffer remembers what it holds
-(`staged`): pages already there with their dK/dV serve a forward too (checkpoint_layers'
-recomputation, then the backward, read one load).
+layer's projections in forward and when its backward starts), so it hides behind compute too.
 A chunk's host dK/dV pages are zeroed when its K/V are written (a copy from a zero buffer on
 the device: no host-thread memset), so every later read of them is valid, whichever pages a
 sliding window or a sparse selection happens to reach.
@@ -64,9 +60,7 @@ class HostPages:
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
         self.stored = [self._event(), self._event()]
-        # What each staging buffer holds (or is loading): (groups, group index, with dK/dV), or None
-        self.staged: list[tuple | None] = [None, None]
-        self.written_back = None  # event: the write-backs of the chunks whose backward is done
+        self._prefetched: tuple | None = None  # (layer, with_grad, span) loading into buffer 0
         self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
 
     # -- sizes ----------------------------------------------------------------------------
@@ -86,7 +80,6 @@ class HostPages:
         return 2 * self.group_pages * batch * self.spec.page_bytes + batch * max_pages * self.rep_bytes
 
     def begin_step(self, batch: int, max_pages: int) -> None:
-        self.written_back = None
         if not self.layers:
             return
         if batch != self.batch or max_pages > self.max_pages:
@@ -104,7 +97,6 @@ class HostPages:
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
-            self.staged = [None, None]
             # staged page j of sequence b sits in slot j*B + b
             self.table = torch.arange(self.group_pages * batch, dtype=torch.int32,
                                       device=self.device).view(self.group_pages, batch).t()  # (B, group_pages)
@@ -165,11 +157,8 @@ class HostPages:
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
         """dK, dV later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D) on the device."""
         out = []
-        if self.cuda:  # the last write-back of these pages: an earlier chunk's, not the current one's
-            if self.written_back is not None:
-                self.copy_stream.wait_event(self.written_back)
-            else:
-                self.copy_stream.wait_stream(self.d2h_stream)
+        if self.cuda:
+            self.copy_stream.wait_stream(self.d2h_stream)  # the last write-back of these pages
         for host in self.arena[layer][2:4]:
             with self._on_copy_stream(after_compute=False):
                 x = host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
@@ -179,14 +168,6 @@ class HostPages:
             n, b, h, p, d = x.shape
             out.append(x.permute(1, 2, 0, 3, 4).reshape(b, h, n * p, d))  # (B, Hkv, n*P, D)
         return out[0], out[1]
-
-    def mark_write_backs(self) -> None:
-        """A chunk's backward is queued: its write-backs are the last an earlier chunk's own dK/dV
-        wait for (`chunk_grads`). The next chunk's write-backs touch only pages before that chunk,
-        so its own-gradient loads need not wait behind them."""
-        if self.cuda and self.layers:
-            self.written_back = torch.cuda.Event()
-            self.written_back.record(self.d2h_stream)
 
     # -- transfers ------------------------------------------------------------------------
 
@@ -255,31 +236,24 @@ class _HostGroups:
                 self.rows_ready.record(torch.cuda.current_stream(host.device))
                 self.rows.record_stream(host.copy_stream)
                 self.rows.record_stream(host.d2h_stream)
-        # One staging buffer holds all of it: the previous layer may load into the other meanwhile.
-        self.single = len(self.spans) <= 1
-
-    def _buf(self, g: int) -> int:
-        return (self.layer + g) % 2
-
-    def _staged(self, g: int, with_grad: bool) -> bool:
-        """Group g is in its buffer already (with its dK/dV when they are needed)."""
-        held = self.host.staged[self._buf(g)]
-        return held is not None and held[0] is self and held[1] == g and (held[2] or not with_grad)
 
     def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it."""
-        if self.spans and not self._staged(0, with_grad):
-            self._load(0, with_grad)
+        if self.spans and self.host._prefetched != self._key(with_grad):
+            self._begin(with_grad)
+            self.host._prefetched = self._key(with_grad)
 
-    def _load(self, g: int, with_grad: bool) -> None:
-        host, buf = self.host, self._buf(g)
-        if host.cuda and g == 0:  # later groups queue behind the first on the copy stream
+    def _key(self, with_grad: bool) -> tuple:
+        return self.layer, with_grad, self.spans[0], id(self.rows)
+
+    def _begin(self, with_grad: bool) -> None:
+        host = self.host
+        if host.cuda:
             if with_grad:
-                host.copy_stream.wait_stream(host.d2h_stream)  # the last sweep's write-backs of these pages
+                host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
             if self.rows is not None:
                 host.copy_stream.wait_event(self.rows_ready)
-        host._load(buf, self.layer, self.spans[g], with_grad, self.rows)
-        host.staged[buf] = (self, g, with_grad)
+        host._load(0, self.layer, self.spans[0], with_grad, self.rows)
 
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
@@ -288,12 +262,13 @@ class _HostGroups:
             dk, dv = grads if with_grad else (None, None)
             yield LayerPages(k, v, dk, dv, host.table[:, :0], 0, **self.extra)
             return
-        if not self._staged(0, with_grad):
-            self._load(0, with_grad)
+        if host._prefetched != self._key(with_grad):
+            self._begin(with_grad)
+        host._prefetched = None
         for g, (start, end) in enumerate(spans):
-            buf = self._buf(g)
-            if g + 1 < len(spans) and not self._staged(g + 1, with_grad):
-                self._load(g + 1, with_grad)  # the next group loads while this one is computed on
+            buf = g % 2
+            if g + 1 < len(spans):  # load the next group while this one is computed on
+                host._load(1 - buf, layer, spans[g + 1], with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
             k, v, *grads = host.staging[buf]
@@ -303,7 +278,6 @@ class _HostGroups:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
                 host._store_grads(buf, layer, (start, end), self.rows)
-                host.staged[buf] = None  # its dK/dV are spent: a later sweep loads afresh
 
 
 @triton.jit

@@ -133,13 +133,6 @@ class PagedKVStore:
         """Return a chunk's pages (its backward is done: nothing reads them again)."""
         self.pool.free(self._chunk_slots.pop(chunk))
 
-    def backward_done(self, chunk: int) -> None:
-        """A chunk's stage 2 is queued: its pages are free (nothing reads them again), and its
-        dK/dV write-backs are the last an earlier chunk's own gradients wait for."""
-        if chunk in self._chunk_slots:  # the last chunk stores no pages
-            self.free_chunk(chunk)
-        self.host.mark_write_backs()
-
     def free_all(self) -> None:
         for chunk in list(self._chunk_slots):
             self.free_chunk(chunk)
@@ -211,8 +204,6 @@ class PagedKVStore:
 
 class _PoolGroups:
     """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
-
-    single = True  # uses no staging buffer: the previous layer may load into either
 
     def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict, group_pages: int) -> None:
         self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
