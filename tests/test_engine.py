@@ -287,3 +287,7 @@ def test_compiled_layers_equal_full_sequence():
         assert rel_err(p.grad, ref_grads[n]) <= 1e-4, n
     with pytest.raises(ValueError, match="GptOssForCausalLM layers are not compiled"):
         oomb.ChunkRecurrentEngine(make_model("gpt_oss"), chunk_size=64, page_size=16, compile_layers=True)
+    import peft
+    lora = peft.get_peft_model(make_model("qwen2"), peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"compile with dropout \(.*lora_dropout.*p=0.1\)"):
+        oomb.ChunkRecurrentEngine(lora, chunk_size=64, page_size=16, compile_layers=True)

@@ -88,6 +88,11 @@ class DecoderAdapter:
         if not self.compilable:
             raise ValueError(f"{type(self.causal_lm).__name__} layers are not compiled by oomb "
                              "(data-dependent expert routing); leave compile off")
+        dropout = [(n, m.p) for n, m in self.causal_lm.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+        if dropout:
+            raise ValueError(f"compile with dropout ({dropout[0][0]}: p={dropout[0][1]}): compiled code draws its "
+                             "own masks, which are not guaranteed to repeat in the recomputed chunk; set the dropout "
+                             "to 0 (e.g. LoraConfig(lora_dropout=0.0)) or leave compile off")
         # Static shapes: a chunk has one length, the last chunk of a sequence maybe another (each
         # compiles once; dynamic shapes fail to trace through DTensor in torch 2.13).
         self.project_qkv = torch.compile(self.project_qkv, dynamic=False)
