@@ -164,3 +164,29 @@ def test_torchrun_data_parallel_with_sharded_optimizer_state(tmp_path):
     with pytest.raises(ValueError, match="has no optimizer.pt: it was written with another parallel layout"):
         train(TrainConfig(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu",
                           resume=str(tmp_path / "step-000002")))  # one process
+
+
+def _state_bytes_worker(rank, world, port, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      LOCAL_RANK=str(rank))
+    from oomb.train.config import TrainConfig
+    from oomb.train.trainer import make_optimizer, optimizer_state_bytes
+    mesh = init_distributed(tp=1)
+    params = list(make_model("qwen2_tp").parameters())
+    share = optimizer_state_bytes(make_optimizer(params, TrainConfig(), mesh["dp"].get_group()))
+    shares = [None] * world
+    dist.all_gather_object(shares, share)
+    if rank == 0:
+        torch.save({"shares": shares, "whole": optimizer_state_bytes(make_optimizer(params, TrainConfig()))}, out)
+    dist.destroy_process_group()
+
+
+def test_optimizer_state_counts_this_ranks_share(tmp_path):
+    """What 'auto' leaves free for AdamW's state: the whole of it, or under ZeRO-1 this rank's
+    partition (uneven: counted, not divided), the ranks' shares adding up to the whole."""
+    out = tmp_path / "shares.pt"
+    mp.spawn(_state_bytes_worker, args=(2, _free_port(), str(out)), nprocs=2, join=True)
+    got = torch.load(out)
+    whole = 2 * 4 * sum(p.numel() for p in make_model("qwen2_tp").parameters())  # two fp32 moments
+    assert got["whole"] == whole and sum(got["shares"]) == whole and 0 < min(got["shares"]) < whole
+

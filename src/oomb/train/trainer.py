@@ -73,6 +73,15 @@ def make_optimizer(params: list, cfg: TrainConfig, shard_group=None) -> torch.op
     return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=shard_group, **kwargs)
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Device bytes AdamW's state will take at its first step (exp_avg and exp_avg_sq, like
+    each parameter): of this rank's share under ZeRO-1 (its partition is uneven by up to the
+    largest parameter, so it is counted, not divided)."""
+    local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
+    params = [p.to_local() if hasattr(p, "to_local") else p for g in local.param_groups for p in g["params"]]
+    return 2 * sum(p.numel() * p.element_size() for p in params)  # a DTensor's state is its shard's
+
+
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
     same tokens and their losses compare (each data-parallel rank its own share)."""
@@ -123,12 +132,11 @@ def train(cfg: TrainConfig) -> list[float]:
     # ZeRO-1: with data parallelism each rank updates (and keeps AdamW's state for) 1/dp of the
     # parameters, then broadcasts them: the memory saved goes to pages ('auto').
     zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
-    adam_state = 2 * sum(p.numel() * p.element_size() for p in params)  # exp_avg, exp_avg_sq, made at step 1
-    adam_state //= dp_size if zero else 1
+    optimizer = make_optimizer(params, cfg, dp_group if zero else None)
     engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
                                   offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                   checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
-                                  reserved_gpu_bytes=adam_state, compile_layers=cfg.compile)
+                                  reserved_gpu_bytes=optimizer_state_bytes(optimizer), compile_layers=cfg.compile)
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
@@ -136,7 +144,6 @@ def train(cfg: TrainConfig) -> list[float]:
                      dtype=cfg.data_dtype)
     held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
-    optimizer = make_optimizer(params, cfg, dp_group if zero else None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
