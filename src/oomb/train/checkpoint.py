@@ -49,10 +49,11 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     if write:
         save_file(state, tmp / "model.safetensors")
         (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
-    per_rank = sharded or _is_zero(optimizer)
+    zero = _is_zero(optimizer)
+    per_rank = sharded or zero
     if per_rank or write:
         local = optimizer
-        if _is_zero(optimizer):  # this rank's share, with the learning rate the scheduler set last
+        if zero:  # this rank's share, with the learning rate the scheduler set last
             local = optimizer.optim
             _copy_hyperparameters(optimizer.param_groups, local.param_groups)
         torch.save({"optimizer": local.state_dict(), "scheduler": scheduler.state_dict(), "ranks": _world()},
@@ -155,7 +156,8 @@ def load(path: str | Path, model, optimizer, scheduler) -> int:
                 tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
             p.copy_(tensor)
     sharded = any(isinstance(p, DTensor) for p in params.values())
-    per_rank = sharded or _is_zero(optimizer)
+    zero = _is_zero(optimizer)
+    per_rank = sharded or zero
     file = path / _optimizer_file(per_rank)
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "
@@ -165,7 +167,7 @@ def load(path: str | Path, model, optimizer, scheduler) -> int:
     if per_rank and opt.get("ranks") != _world():
         raise ValueError(f"checkpoint {path} holds the optimizer shards of {opt.get('ranks')} ranks, this run has "
                          f"{_world()}: resume with the number of processes it was written with")
-    if _is_zero(optimizer):  # this rank's share, and the hyperparameters (lr) the wrapper shows
+    if zero:  # this rank's share, and the hyperparameters (lr) the wrapper shows
         optimizer.optim.load_state_dict(opt["optimizer"])
         _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
     else:

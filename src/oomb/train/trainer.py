@@ -173,7 +173,7 @@ def train(cfg: TrainConfig) -> list[float]:
         t0 = time.perf_counter()
         # One denominator for the whole step: the predicted tokens of every micro-batch on every
         # data-parallel rank, so the summed gradients are those of one big batch.
-        count = sum(global_token_count(labels, dp_group) for _, labels in micro)
+        count = global_token_count(torch.cat([labels for _, labels in micro]), dp_group)  # one all-reduce
         loss_t = torch.zeros((), dtype=torch.float32, device=device)
         for m, (input_ids, labels) in enumerate(micro):
             desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
