@@ -169,6 +169,50 @@ def test_matches_reference(case, dtype):
     run_case(*case, dtype, "cpu")
 
 
+def random_selection(b, n_kv, blocks, k, n_logical, seed=1):
+    """(B, Hkv, n_blocks, k) int32 ascending logical pages; page 0 in every row (a sink, chosen
+    by all blocks: the longest dK/dV program), the others random and distinct."""
+    g = torch.Generator().manual_seed(seed)
+    rows = [torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_logical - 1, generator=g)[: k - 1]])
+            for _ in range(b * n_kv * blocks)]
+    return torch.stack(rows).sort(-1).values.view(b, n_kv, blocks, k).int()
+
+
+def sparse_case(shape, dtype, device, first_page):
+    """Sparse kernels vs the torch reference of the same selection: o, dq, dk, dv and the pages'
+    dK/dV, and only chosen pages' dK/dV change. shape = (B, H, Hkv, C, D, P, n_pages, block):
+    query blocks of `block` (the last partial when C is not a multiple), a group of n_pages pages
+    starting at logical page `first_page` (picks outside it are skipped)."""
+    b, h, n_kv, c, d, page_size, n_pages, block = shape
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(b, h, n_kv, c, d, page_size, n_pages, dtype, device)
+    sel = random_selection(b, n_kv, -(-c // block), 3, first_page + n_pages).to(device)
+    grads, outs = {}, {}
+    for name, fn in (("triton", paged_attention_triton), ("torch", paged_attention_torch)):
+        pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table, first_page, sel, block)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        outs[name] = fn(*leaves, pages, SCALE)
+        outs[name].backward(do)
+        grads[name] = [outs[name]] + [x.grad for x in leaves] + [pages.dk, pages.dv]
+    rel = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}[dtype]
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dk pool", "dv pool"), grads["triton"], grads["torch"]):
+        e, scale = (got.float() - want.float()).abs().max().item(), max(1.0, want.float().abs().max().item())
+        assert e <= rel * scale, f"{name}: max error {e:.3g} > {rel} x {scale:.3g}"
+    chosen = torch.zeros(b, n_kv, n_pages + 1, dtype=torch.bool, device=device)
+    picks = (sel.long() - first_page).clamp(-1, n_pages) % (n_pages + 1)  # outside the group -> spare row
+    chosen.scatter_(2, picks.flatten(2), True)
+    for i in range(b):
+        for j in range(n_kv):
+            slots = table[i].long()
+            changed = (grads["triton"][4][slots, j] != dk0[slots, j]).flatten(1).any(1)
+            assert torch.equal(changed, chosen[i, j, :n_pages]), f"batch {i}, KV head {j}: dK written off the selection"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("first_page", [0, 2], ids=["group0", "later-group"])
+def test_sparse_selection_matches_reference(dtype, first_page):
+    sparse_case((2, 8, 2, 80, 16, 16, 5, 32), dtype, "cpu", first_page)
+
+
 def test_no_grad_pages_and_no_grad_mode():
     q, k, v, kp, vp, _, _, table, do = make_case(1, 4, 2, 17, 16, 16, 2, torch.float32)
     kp0, vp0 = kp.clone(), vp.clone()
@@ -229,6 +273,14 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs CUDA")
                          ids=lambda c: "B{}H{}kv{}C{}D{}P{}n{}".format(*c))
 def test_matches_reference_cuda(case, dtype):
     run_case(*case, dtype, "cuda")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_sparse_selection_matches_reference_cuda(dtype):
+    """The target shape's heads and tiles: 28/4 heads, D 128, pages of 128, blocks of 128."""
+    sparse_case((1, 28, 4, 640, 128, 128, 12, 128), dtype, "cuda", 3)
 
 
 @pytest.mark.gpu

@@ -282,7 +282,7 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
 
 @triton.jit
 def _paged_attn_bwd_dkdv_pages(
-    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Chosen,
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
@@ -294,15 +294,21 @@ def _paged_attn_bwd_dkdv_pages(
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
-    of the gradient pages, so the read-modify-write needs no atomics. Sparse: only the query
-    blocks that chose the page (Chosen (B, Hkv, n_pages, n_blocks) int8) are visited."""
+    of the gradient pages, so the read-modify-write needs no atomics.
+
+    Sparse: the program visits only the query blocks that chose its page, listed in Visits
+    (B, Hkv, n_pages, n_blocks) int32 (the first NVisits (B, Hkv, n_pages) entries), as one flat
+    loop over (block, head of the group, query tile) that the compiler can pipeline; pages are
+    taken most-visited first (Order (B, Hkv, n_pages)) so the longest programs start first."""
     pid = tl.program_id(0)
     tiles_per_page = PAGE_SIZE // BLOCK_N
-    page = pid // tiles_per_page
     start_n = (pid % tiles_per_page) * BLOCK_N
     off_bkv = tl.program_id(1)
     off_b = (off_bkv // HKV).to(tl.int64)
     off_kvh = (off_bkv % HKV).to(tl.int64)
+    page = pid // tiles_per_page
+    if SPARSE:
+        page = tl.load(Order + off_bkv.to(tl.int64) * n_pages + page)
     slot = tl.load(Table + off_b * stride_tb + page * stride_tp).to(tl.int64)
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -314,29 +320,36 @@ def _paged_attn_bwd_dkdv_pages(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Every query of the chunk sees every earlier key (dense: one block of all C queries; sparse:
-    # the blocks that chose this page): no causal mask.
-    chosen_row = Chosen + ((off_b * HKV + off_kvh) * n_pages + page) * n_blocks
-    # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
+    # Every query that reads an earlier key sees all of it: no causal mask.
     kpos = kpos0 + page * PAGE_SIZE + offs_n
-    q_hi = C
-    if WINDOWED:
-        q_hi = tl.minimum(C, kpos0 + page * PAGE_SIZE + start_n + BLOCK_N - 1 + window)
-    for blk in range(0, n_blocks):
-        visit = True
-        if SPARSE:
-            visit = tl.load(chosen_row + blk) != 0
-        if visit:
-            for g in range(GROUP):
-                off_h = off_kvh * GROUP + g
-                off_bh = off_b * H + off_h
-                q_head = Q + off_b * stride_qb + off_h * stride_qh
-                do_head = DO + off_b * stride_dob + off_h * stride_doh
-                for start_m in range(blk * block_q, tl.minimum((blk + 1) * block_q, q_hi), BLOCK_M):
-                    offs_m = start_m + tl.arange(0, BLOCK_M)
-                    dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + off_bh * C, Delta + off_bh * C,
-                                            offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom,
-                                            stride_dod, C, qk_scale, False, IN_PRECISION, kpos, window, WINDOWED)
+    if SPARSE:
+        row = off_bkv.to(tl.int64) * n_pages + page
+        tiles_per_block = block_q // BLOCK_M
+        per_block = GROUP * tiles_per_block
+        for it in range(0, tl.load(NVisits + row) * per_block):
+            blk = tl.load(Visits + row * n_blocks + it // per_block)
+            off_h = off_kvh * GROUP + (it // tiles_per_block) % GROUP
+            offs_m = blk * block_q + (it % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
+                                    DO + off_b * stride_dob + off_h * stride_doh, LSE + (off_b * H + off_h) * C,
+                                    Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
+                                    stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
+                                    window, False)
+    else:
+        # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
+        q_hi = C
+        if WINDOWED:
+            q_hi = tl.minimum(C, kpos0 + page * PAGE_SIZE + start_n + BLOCK_N - 1 + window)
+        for g in range(GROUP):
+            off_h = off_kvh * GROUP + g
+            q_head = Q + off_b * stride_qb + off_h * stride_qh
+            do_head = DO + off_b * stride_dob + off_h * stride_doh
+            for start_m in range(0, q_hi, BLOCK_M):
+                offs_m = start_m + tl.arange(0, BLOCK_M)
+                dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + (off_b * H + off_h) * C,
+                                        Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
+                                        stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
+                                        window, WINDOWED)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -558,14 +571,14 @@ def _sparse_args(pages: LayerPages, c: int) -> dict:
     """Kernel arguments of a group's sparse selection (dummies when dense).
 
     Sel (B, Hkv, n_blocks, k) int32: the selected pages relative to the group, ascending;
-    Span (B, Hkv, n_blocks, 2) int32: the entries [lo, hi) of each row inside the group;
-    Chosen (B, Hkv, n_pages, n_blocks) int8: which query blocks chose each page (dK/dV kernel).
+    Span (B, Hkv, n_blocks, 2) int32: the entries [lo, hi) of each row inside the group.
     """
     device = pages.table.device
     if pages.selection is None:
         dummy = torch.zeros(2, dtype=torch.int32, device=device)
-        return dict(Sel=dummy, Span=dummy, Chosen=dummy.to(torch.int8), n_blocks=1, max_sel=1,
-                    block_q=max(c, 1), SPARSE=False)
+        return dict(Sel=dummy, Span=dummy, n_blocks=1, max_sel=1, block_q=max(c, 1), SPARSE=False)
+    if pages.window:
+        raise ValueError("sparse selection on a sliding-window layer: its window already bounds the pages")
     sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k)
     b, n_kv, n_blocks, k = sel.shape
     n = pages.n_pages
@@ -574,12 +587,35 @@ def _sparse_args(pages: LayerPages, c: int) -> dict:
     rel = torch.where(inside, sel, 0).to(torch.int32)
     if k == 0:
         rel = torch.zeros((b, n_kv, n_blocks, 1), dtype=torch.int32, device=device)
+    return dict(Sel=rel.contiguous(), Span=span.contiguous(), n_blocks=n_blocks, max_sel=rel.shape[-1],
+                block_q=pages.block_queries, SPARSE=True)
+
+
+def _page_visits(pages: LayerPages) -> dict:
+    """The dK/dV kernel's view of a sparse selection: which query blocks chose each page.
+
+    Visits (B, Hkv, n_pages, n_blocks) int32: a page's choosing blocks first, ascending;
+    NVisits (B, Hkv, n_pages) int32: how many; Order (B, Hkv, n_pages) int32: the pages, most
+    visited first (the longest programs start first).
+    """
+    device = pages.table.device
+    if pages.selection is None:
+        dummy = torch.zeros(2, dtype=torch.int32, device=device)
+        return dict(Order=dummy, Visits=dummy, NVisits=dummy)
+    sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k)
+    b, n_kv, n_blocks, _ = sel.shape
+    n = pages.n_pages
+    inside = (sel >= 0) & (sel < n)
     chosen = torch.zeros((b, n_kv, n + 1, n_blocks), dtype=torch.int8, device=device)
     ib, ih, iq = (torch.arange(x, device=device).view(*s) for x, s in
                   ((b, (b, 1, 1, 1)), (n_kv, (1, n_kv, 1, 1)), (n_blocks, (1, 1, n_blocks, 1))))
     chosen[ib, ih, torch.where(inside, sel, n), iq] = 1  # picks outside the group land in row n
-    return dict(Sel=rel.contiguous(), Span=span.contiguous(), Chosen=chosen[:, :, :n].contiguous(),
-                n_blocks=n_blocks, max_sel=rel.shape[-1], block_q=pages.block_queries, SPARSE=True)
+    chosen = chosen[:, :, :n]
+    count = chosen.sum(-1, dtype=torch.int32)
+    visits = torch.sort(chosen, dim=-1, descending=True, stable=True).indices  # chosen blocks first, ascending
+    order = torch.sort(count, dim=-1, descending=True, stable=True).indices
+    return dict(Order=order.to(torch.int32).contiguous(), Visits=visits.to(torch.int32).contiguous(),
+                NVisits=count.contiguous())
 
 
 def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None):
@@ -638,10 +674,12 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     _check_blocks(sp, cfg["BLOCK_M1"])
     _check_blocks(sp, cfg["BLOCK_M2"])
     if pages.dk is not None and pages.n_pages > 0:
+        visits = _page_visits(pages)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n), b * n_kv)
         _paged_attn_bwd_dkdv_pages[grid](
-            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, sp["Chosen"],
+            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
+            visits["Visits"], visits["NVisits"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
             *_window_args(pages),
