@@ -546,9 +546,10 @@ def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
     if q.dtype == torch.float32 or head_dim > 128:  # twice the bytes per tile: halve it
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     # bench/tune_attention.py on an H200 (bf16, D=128, C=4096, 64K keys; bench/results/tune.jsonl,
-    # 47e4f21): 425.8 TFLOP/s; num_stages=2 417.7, BLOCK_M=BLOCK_N=64 with 4 warps 387.3, 4 stages
-    # out of shared memory.
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    # 47e4f21): 417.7 TFLOP/s; 3 stages 425.8, BLOCK_M=BLOCK_N=64 with 4 warps 387.3, 4 stages out of
+    # shared memory. The sweep's best pair (3 stages here, 64x64 tiles with 4 warps for the
+    # backward) made the dense 64K training step slower (17.51 vs 16.25 s, c8c3893): kept as is.
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
 
 
 def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
@@ -558,9 +559,10 @@ def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
         return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32 or head_dim > 128:
         return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1)
-    # bench/tune_attention.py on an H200 (as _fwd_config): 373.0 TFLOP/s (2.5x fwd FLOPs); the
-    # former 64/128/128/64 with 8 warps and 3 stages 362.9, with 32-query tiles 324.7 or less.
-    return dict(BLOCK_M1=64, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=64, num_warps=4, num_stages=2)
+    # bench/tune_attention.py on an H200 (as _fwd_config): 362.9 TFLOP/s (2.5x fwd FLOPs); 64x64
+    # tiles with 4 warps and 2 stages 373.0 in the sweep but slower in the step; 32-query tiles
+    # 324.7 or less.
+    return dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
 
 
 def _precision(q: torch.Tensor) -> str:
