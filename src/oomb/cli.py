@@ -12,7 +12,7 @@ import torch
 def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool):
+        if isinstance(f.default, bool) or str(f.type) == "bool | None":  # None: decided from other flags
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         parser.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
@@ -57,7 +57,7 @@ def cmd_plan(args) -> None:
     config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
     trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
-    opt_bytes = 8 if args.optimizer == "adamw" else 0
+    opt_bytes = None if args.optimizer == "adamw" else 0  # None: AdamW's two bf16 moments
 
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
 

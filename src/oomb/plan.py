@@ -68,13 +68,14 @@ class MemoryPlan:
 
 def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
-         trainable_params: int | None = None, optimizer_bytes_per_param: int = 8,
+         trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
          optimizer_shards: int = 1) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
-    trainable_params: parameters with gradients (default: all); AdamW keeps two fp32 moments
-    (8 B) per trainable parameter. n_params: the model's parameter count (default: counted on
+    trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
+    default torch's AdamW, two moments in the parameters' dtype (4 B for bf16, as the trainer
+    makes it); 0 for none. n_params: the model's parameter count (default: counted on
     a meta-device instance of the config, so mixtures of experts are counted right).
     sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
@@ -86,6 +87,8 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     item = torch.empty((), dtype=dtype).element_size()
     n_params = count_params(config) if n_params is None else n_params
     trainable = n_params if trainable_params is None else trainable_params
+    if optimizer_bytes_per_param is None:
+        optimizer_bytes_per_param = 2 * item  # exp_avg and exp_avg_sq, each like its parameter
     spec = PageSpec(page_size, kv_heads, head_dim, dtype, kv_grad_dtype)
     n_chunks = -(-seq_len // chunk_size)
     chunk_pages = chunk_size // page_size

@@ -36,7 +36,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     """Every rank calls this (parameters are gathered); the rank with `write` writes the model.
 
     Under tensor parallelism and ZeRO-1 each rank writes its own optimizer state
-    (`optimizer-rank{r}.pt`): nothing is gathered (a 7B model's AdamW state is 61 GB).
+    (`optimizer-rank{r}.pt`): nothing is gathered (a 7B model's AdamW state is 30 GB in bf16).
     """
     final = Path(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")

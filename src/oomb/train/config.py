@@ -28,7 +28,9 @@ class TrainConfig:
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
     liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
-    compile: bool = False  # torch.compile the layer pieces around attention (fused norms, RoPE, MLP)
+    # torch.compile the layer pieces around attention (fused norms, RoPE, MLP); None: on under tensor
+    # parallelism (tp > 1), where DTensor's per-op dispatch otherwise leaves the GPU waiting on the host
+    compile: bool | None = None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
@@ -43,6 +45,10 @@ class TrainConfig:
     eval_data: str = ""  # its source (as --data); empty: the training source with another seed
     eval_batches: int = 1  # batches of the held-out set (the same ones at every evaluation)
     seed: int = 0
+
+    @property
+    def compile_layers(self) -> bool:
+        return self.tp > 1 if self.compile is None else self.compile
 
     def __post_init__(self) -> None:
         checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("grad_accum", self.grad_accum, 1),

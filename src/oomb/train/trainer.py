@@ -133,10 +133,17 @@ def train(cfg: TrainConfig) -> list[float]:
     # parameters, then broadcasts them: the memory saved goes to pages ('auto').
     zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
     optimizer = make_optimizer(params, cfg, dp_group if zero else None)
-    engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size, backend=cfg.backend,
-                                  offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
-                                  checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
-                                  reserved_gpu_bytes=optimizer_state_bytes(optimizer), compile_layers=cfg.compile)
+    try:
+        engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size,
+                                      backend=cfg.backend, offload=cfg.offload,
+                                      kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
+                                      checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
+                                      reserved_gpu_bytes=optimizer_state_bytes(optimizer),
+                                      compile_layers=cfg.compile_layers)
+    except ValueError as e:
+        if cfg.compile is None and cfg.compile_layers:
+            raise ValueError(f"{e} (--compile is on by default with --tp {cfg.tp}: pass --no-compile)") from e
+        raise
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
@@ -159,7 +166,7 @@ def train(cfg: TrainConfig) -> list[float]:
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
-              f"{cfg.steps} steps", flush=True)
+              f"{'compiled layers, ' if cfg.compile_layers else ''}{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
