@@ -1,6 +1,7 @@
 """The trainer and CLI end to end on the tiny preset (CPU, seconds)."""
 import argparse
 import json
+import math
 import subprocess
 import sys
 
@@ -87,6 +88,9 @@ def test_cli_plan_json():
     out = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", "--model", "qwen2.5-7b", "--seq-len", "64K",
                           "--dp", "4", "--json"], capture_output=True, text=True, check=True)
     assert json.loads(out.stdout)["optimizer"] == plan["optimizer"] // 4  # ZeRO-1: a quarter per rank
+    out = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", "--model", "qwen2.5-7b", "--seq-len", "64K",
+                          "--optimizer", "adamw8bit", "--json"], capture_output=True, text=True, check=True)
+    assert json.loads(out.stdout)["optimizer"] == plan["optimizer"] // 2  # 8-bit moments
 
 
 def test_cli_eval(capsys):
@@ -309,3 +313,40 @@ def test_compile_defaults_on_under_tensor_parallelism():
     assert [parser.parse_args(a).compile for a in ([], ["--compile"], ["--no-compile"])] == [None, True, False]
     assert not TrainConfig().compile_layers and TrainConfig(compile=True).compile_layers
     assert TrainConfig(tp=2).compile_layers and not TrainConfig(tp=2, compile=False).compile_layers
+
+
+def test_bf16_updates_below_half_a_step_are_lost_with_adamw_and_kept_by_adamw8bit():
+    """torch's AdamW on bf16 weights rounds an update of lr back wherever |w| >= 512 lr (the
+    trainer warns with that share); torchao's AdamW8bit rounds stochastically, so such weights
+    move (each with probability ~ update / step), and its state takes ~2 B per value."""
+    from oomb.train.trainer import lost_update_fraction, make_optimizer, optimizer_state_bytes
+
+    torch.manual_seed(0)
+    w = torch.nn.Parameter((torch.randn(1024, 256) * 0.02).bfloat16())
+    big = w.detach().abs() >= 512 * 1e-5
+    assert lost_update_fraction([w], 1e-5) == pytest.approx(big.float().mean().item())
+    assert 0.75 < lost_update_fraction([w], 1e-5) < 0.85  # N(0, 0.02): P(|w| >= 5.1e-3) = 0.80
+    moved = {}
+    for name in ("adamw", "adamw8bit"):
+        p = torch.nn.Parameter(w.detach().clone())
+        opt = make_optimizer([p], TrainConfig(optimizer=name, lr=1e-5))
+        predicted = optimizer_state_bytes(opt)  # before the state exists: what 'auto' reserves
+        for _ in range(4):
+            p.grad = torch.ones_like(p)  # Adam's update: -lr each step
+            opt.step()
+        moved[name] = (p.detach() != w.detach())[big].float().mean().item()
+        moments = [opt.state[p][k] for k in ("exp_avg", "exp_avg_sq")]
+        parts = [t for m in moments for t in ((m.codes, m.scale, m.qmap) if name == "adamw8bit" else (m,))]
+        assert predicted == sum(t.numel() * t.element_size() for t in parts)
+        assert predicted <= {"adamw": 4, "adamw8bit": 2.1}[name] * p.numel()
+    assert moved["adamw"] == 0.0 and moved["adamw8bit"] > 0.02, moved
+
+
+def test_adamw8bit_trains_bf16_and_resumes_exactly(tmp_path, capsys):
+    cfg = {**SMALL, "dtype": "bfloat16", "lr": 1e-4}
+    train(TrainConfig(**{**cfg, "steps": 1}))
+    assert "% of the trainable weights (|w| >= 0.051) cannot change" in capsys.readouterr().out
+    full = train(TrainConfig(**cfg, optimizer="adamw8bit", output_dir=str(tmp_path), save_every=2))
+    assert "cannot change" not in capsys.readouterr().out and all(map(math.isfinite, full))
+    resumed = train(TrainConfig(**cfg, optimizer="adamw8bit", resume=str(tmp_path / "step-000002")))
+    assert resumed == [full[-1]]

@@ -57,7 +57,7 @@ def cmd_plan(args) -> None:
     config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
     trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
-    opt_bytes = None if args.optimizer == "adamw" else 0  # None: AdamW's two bf16 moments
+    opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
 
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
 
@@ -153,8 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
     p_plan.add_argument("--sparse-budget", type=int, default=0,
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")
-    p_plan.add_argument("--optimizer", choices=["adamw", "none"], default="adamw",
-                        help="none: gradients only (the engine benchmarks)")
+    p_plan.add_argument("--optimizer", choices=["adamw", "adamw8bit", "none"], default="adamw",
+                        help="adamw: two bf16 moments (4 B per parameter); adamw8bit: 8-bit moments (2 B); "
+                             "none: gradients only (the engine benchmarks)")
     p_plan.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")

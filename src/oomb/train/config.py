@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from .data import BIN_DTYPES
 
+OPTIMIZERS = ("adamw", "adamw8bit")
+
 
 @dataclass
 class TrainConfig:
@@ -34,6 +36,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
+    # adamw: torch's (moments in the weights' dtype); adamw8bit: torchao's AdamW8bit, 8-bit moments (2 B per
+    # parameter) and bf16 weights stochastically rounded, so updates below half a bf16 step are kept on average
+    optimizer: str = "adamw"
     shard_optimizer: bool = True  # data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
@@ -73,6 +78,8 @@ class TrainConfig:
                              "inputs; train with tp=1 or without liger")
         if self.data_dtype not in BIN_DTYPES:
             raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 

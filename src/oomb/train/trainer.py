@@ -4,6 +4,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -62,24 +63,59 @@ def lr_lambda(cfg: TrainConfig):
     return f
 
 
+def optimizer_class(cfg: TrainConfig):
+    """AdamW: torch's, or torchao's AdamW8bit with stochastic rounding of bf16 weights."""
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW
+    try:
+        from torchao.optim import AdamW8bit
+    except ImportError as e:
+        raise ValueError("optimizer='adamw8bit' needs torchao: pip install 'oomb[torchao]'") from e
+    return partial(AdamW8bit, bf16_stochastic_round=True)
+
+
 def make_optimizer(params: list, cfg: TrainConfig, shard_group=None) -> torch.optim.Optimizer:
-    """AdamW; with `shard_group`, torch's ZeroRedundancyOptimizer over it (each rank keeps the
-    state of its share of the parameters, and every rank ends the step with all of them)."""
+    """cfg.optimizer; with `shard_group`, torch's ZeroRedundancyOptimizer over it (each rank keeps
+    the state of its share of the parameters, and every rank ends the step with all of them)."""
     kwargs = dict(lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    cls = optimizer_class(cfg)
     if shard_group is None:
-        return torch.optim.AdamW(params, **kwargs)
+        return cls(params, **kwargs)
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
-    return ZeroRedundancyOptimizer(params, optimizer_class=torch.optim.AdamW, process_group=shard_group, **kwargs)
+    return ZeroRedundancyOptimizer(params, optimizer_class=cls, process_group=shard_group, **kwargs)
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Device bytes AdamW's state will take at its first step (exp_avg and exp_avg_sq, like
-    each parameter): of this rank's share under ZeRO-1 (its partition is uneven by up to the
-    largest parameter, so it is counted, not divided)."""
+    """Device bytes the optimizer's state will take at its first step: of this rank's share
+    under ZeRO-1 (its partition is uneven by up to the largest parameter, so it is counted, not
+    divided). AdamW: exp_avg and exp_avg_sq like each parameter; AdamW8bit: a byte per value and
+    an fp32 scale per block of each moment for the tensors it quantizes (torchao's rule), like
+    AdamW for the others."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
     params = [p.to_local() if hasattr(p, "to_local") else p for g in local.param_groups for p in g["params"]]
-    return 2 * sum(p.numel() * p.element_size() for p in params)  # a DTensor's state is its shard's
+    block = getattr(local, "block_size", None)  # torchao's low-bit optimizers
+    total = 0
+    for p in params:
+        if block and p.numel() >= 4096 and p.numel() % block == 0:
+            total += 2 * (p.numel() + 4 * (p.numel() // block) + 4 * 256)  # codes, scales, the code map
+        else:
+            total += 2 * p.numel() * p.element_size()  # a DTensor's state is its shard's
+    return total
+
+
+def lost_update_fraction(params: list, lr: float) -> float:
+    """Share of the bf16 values among `params` that an update of size lr cannot change: a bf16
+    step is more than 2^-8 |w|, so at |w| >= 512 lr an update of lr is below half a step and
+    round-to-nearest puts w back. Adam's updates are about lr at most: under torch's AdamW these
+    weights stay where they are."""
+    low = [p.to_local() if hasattr(p, "to_local") else p for p in params if p.dtype == torch.bfloat16]
+    total = sum(p.numel() for p in low)
+    if not total:
+        return 0.0
+    with torch.no_grad():
+        frozen = sum(int((p.detach().abs() >= 512 * lr).sum()) for p in low)
+    return frozen / total
 
 
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -157,6 +193,12 @@ def train(cfg: TrainConfig) -> list[float]:
         next(data)
 
     n_params = sum(p.numel() for p in params)
+    frozen = lost_update_fraction(params, cfg.lr) if cfg.optimizer == "adamw" else 0.0
+    if rank0 and frozen > 0.01:
+        print(f"oomb train: warning: bf16 weights with torch's AdamW round away updates below half a bf16 step: at "
+              f"lr={cfg.lr:g}, {100 * frozen:.1f} % of the trainable weights (|w| >= {512 * cfg.lr:.2g}) cannot "
+              "change; use --optimizer adamw8bit (stochastic rounding), --dtype float32 or --lora-rank",
+              flush=True)
     if rank0:
         accum = f"{cfg.grad_accum} micro-batches of " if cfg.grad_accum > 1 else ""
         layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
@@ -202,7 +244,7 @@ def train(cfg: TrainConfig) -> list[float]:
         losses.append(loss)
         if rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
             logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
-                       scheduler.get_last_lr()[0], grad_norm)
+                       float(scheduler.get_last_lr()[0]), grad_norm)  # torchao keeps lr as a tensor
         if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
             t0 = time.perf_counter()
             eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
