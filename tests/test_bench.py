@@ -52,7 +52,8 @@ def test_bench_parallel_smoke(tmp_path):
 
 def test_trace_gaps_summary(tmp_path):
     """trace_gaps.py on a hand-made trace: busy time per stream, the compute stream's idle
-    time and the part of it the copy streams filled, host waits."""
+    time and the part of it the copy streams filled, host waits, the kernels the idle time
+    preceded and the host operations during it."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from trace_gaps import load_events, summarize
 
@@ -72,6 +73,8 @@ def test_trace_gaps_summary(tmp_path):
     assert abs(s["compute_idle_ms"] - 0.020) < 1e-9 and abs(s["compute_idle_while_copies_ms"] - 0.008) < 1e-9
     assert abs(s["streams"][7]["busy_frac"] - 0.6) < 1e-9 and s["streams"][7]["top"][0] == ("attn", 0.02)
     assert s["host_waits_ms"] == {"cudaEventSynchronize": 0.004}
+    assert s["idle_before_ms"] == [("mlp", 0.01), ("attn", 0.01)]  # gaps 10-20 and 30-40
+    assert s["host_during_idle_ms"] == [("cudaEventSynchronize", 0.004)]  # aten::mm ran while attn did
     out = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trace_gaps.py"), str(path)],
                          check=True, capture_output=True, text=True).stdout
-    assert "compute stream 7 idle 0.0 ms" in out and "copy_rows" in out
+    assert "compute stream 7 idle 0.0 ms" in out and "copy_rows" in out and "idle before these kernels" in out

@@ -570,6 +570,13 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
+def _group_picks(pages: LayerPages) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection relative to the group's first page (B, Hkv, n_blocks, k) int64, and which
+    picks fall inside the group."""
+    sel = pages.selection.long() - pages.first_page
+    return sel, (sel >= 0) & (sel < pages.n_pages)
+
+
 def _sparse_args(pages: LayerPages, c: int) -> dict:
     """Kernel arguments of a group's sparse selection (dummies when dense).
 
@@ -582,10 +589,9 @@ def _sparse_args(pages: LayerPages, c: int) -> dict:
         return dict(Sel=dummy, Span=dummy, n_blocks=1, max_sel=1, block_q=max(c, 1), SPARSE=False)
     if pages.window:
         raise ValueError("sparse selection on a sliding-window layer: its window already bounds the pages")
-    sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k)
+    sel, inside = _group_picks(pages)
     b, n_kv, n_blocks, k = sel.shape
     n = pages.n_pages
-    inside = (sel >= 0) & (sel < n)
     span = torch.stack([(sel < 0).sum(-1), (sel < n).sum(-1)], dim=-1).to(torch.int32)
     rel = torch.where(inside, sel, 0).to(torch.int32)
     if k == 0:
@@ -605,10 +611,9 @@ def _page_visits(pages: LayerPages) -> dict:
     if pages.selection is None:
         dummy = torch.zeros(2, dtype=torch.int32, device=device)
         return dict(Order=dummy, Visits=dummy, NVisits=dummy)
-    sel = pages.selection.long() - pages.first_page  # (B, Hkv, n_blocks, k)
+    sel, inside = _group_picks(pages)
     b, n_kv, n_blocks, _ = sel.shape
     n = pages.n_pages
-    inside = (sel >= 0) & (sel < n)
     chosen = torch.zeros((b, n_kv, n + 1, n_blocks), dtype=torch.int8, device=device)
     ib, ih, iq = (torch.arange(x, device=device).view(*s) for x, s in
                   ((b, (b, 1, 1, 1)), (n_kv, (1, n_kv, 1, 1)), (n_blocks, (1, 1, n_blocks, 1))))

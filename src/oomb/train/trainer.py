@@ -114,8 +114,8 @@ def lost_update_fraction(params: list, lr: float) -> float:
     if not total:
         return 0.0
     with torch.no_grad():
-        frozen = sum(int((p.detach().abs() >= 512 * lr).sum()) for p in low)
-    return frozen / total
+        frozen = sum((p.detach().abs() >= 512 * lr).sum() for p in low)
+    return int(frozen) / total  # one device sync
 
 
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
