@@ -106,6 +106,7 @@ def worker(args) -> None:
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()  # alloc_retries of this step only
         t0 = time.perf_counter()
         row = {"bench": "step", "impl": args.impl, "model": args.model, "lora_rank": args.lora_rank,
                "seq_len": length, "layers": model.config.num_hidden_layers,
@@ -124,6 +125,9 @@ def worker(args) -> None:
             dt = time.perf_counter() - t0
             row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
                        peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                       # the caching allocator's cudaMalloc retries (it freed its cache and synchronised):
+                       # a step that runs close to the GPU's capacity pays for each
+                       alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
