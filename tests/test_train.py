@@ -63,6 +63,10 @@ def test_config_rejects_bad_values():
         TrainConfig(seq_len=1)
     with pytest.raises(ValueError, match="lr=0.0 must be > 0"):
         TrainConfig(lr=0.0)
+    with pytest.raises(ValueError, match="optimizer='adam' must be one of"):
+        TrainConfig(optimizer="adam")
+    with pytest.raises(ValueError, match="optimizer='adamw8bit' with tp=2: .* use --optimizer adamw with --tp"):
+        TrainConfig(optimizer="adamw8bit", tp=2)
 
 
 def test_cli_user_error_is_one_line(capsys):

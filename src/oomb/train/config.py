@@ -80,6 +80,9 @@ class TrainConfig:
             raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
+        if self.optimizer == "adamw8bit" and self.tp > 1:  # torchao 0.18: its 8-bit state fails inside DTensor
+            raise ValueError(f"optimizer='adamw8bit' with tp={self.tp}: torchao's 8-bit state does not run on "
+                             "tensor-parallel (DTensor) weights; use --optimizer adamw with --tp, or --tp 1")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r} must be auto, float32 or bfloat16")
 
