@@ -291,3 +291,29 @@ def test_compiled_layers_equal_full_sequence():
     lora = peft.get_peft_model(make_model("qwen2"), peft.LoraConfig(r=4, lora_dropout=0.1, target_modules=["q_proj"]))
     with pytest.raises(ValueError, match=r"compile with dropout \(.*lora_dropout.*p=0.1\)"):
         oomb.ChunkRecurrentEngine(lora, chunk_size=64, page_size=16, compile_layers=True)
+
+
+def test_param_grad_dtype_sums_bf16_chunk_gradients_in_fp32():
+    """bf16 weights: each parameter's gradient is a sum over the chunks, rounded to bf16 at every
+    add by default. param_grad_dtype=torch.float32 sums in fp32 and rounds once: against exact
+    (float64) sums of the same chunk gradients it is within a bf16 rounding, the default several
+    times further off; a .grad already there (an earlier micro-batch) starts the sum."""
+    model = make_model("qwen2", dtype=torch.bfloat16)
+    ids = random_batch(1, 2048)
+    grads = {}
+    for name, wide in (("exact", torch.float64), ("fp32", torch.float32), ("bf16", None)):
+        model.zero_grad(set_to_none=True)
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch",
+                                           param_grad_dtype=wide)  # 64 chunks
+        engine.forward_backward(ids)
+        grads[name] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+        assert not any(p._post_accumulate_grad_hooks for p in model.parameters())  # hooks removed
+    err = {k: max(rel_err(grads[k][n], grads["exact"][n]) for n in grads[k]) for k in ("fp32", "bf16")}
+    assert err["fp32"] <= 2 ** -8 and err["bf16"] > 3 * err["fp32"], err
+    engine.param_grad_dtype = torch.float32
+    engine.forward_backward(ids)  # onto the bf16-summed .grad of the last loop step
+    for n, p in model.named_parameters():
+        assert rel_err(p.grad, grads["bf16"][n] + grads["fp32"][n]) <= 2 ** -7, n
+    with pytest.raises(ValueError, match="param_grad_dtype=torch.bfloat16 must be None"):
+        oomb.ChunkRecurrentEngine(model, param_grad_dtype=torch.bfloat16)

@@ -64,7 +64,8 @@ def cmd_plan(args) -> None:
     def step_plan(seq_len):
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
-                    checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp)
+                    checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp,
+                    param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--optimizer", choices=["adamw", "adamw8bit", "none"], default="adamw",
                         help="adamw: two bf16 moments (4 B per parameter); adamw8bit: 8-bit moments (2 B); "
                              "none: gradients only (the engine benchmarks)")
+    p_plan.add_argument("--param-grad-dtype", choices=["float32", "param"], default="float32",
+                        help="what the parameters' chunk gradients are summed in (the trainer's default: float32; "
+                             "param: the weights' bf16, as the engine's default)")
     p_plan.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")

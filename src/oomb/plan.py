@@ -70,7 +70,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
          trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
-         optimizer_shards: int = 1) -> MemoryPlan:
+         optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
@@ -79,6 +79,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     a meta-device instance of the config, so mixtures of experts are counted right).
     sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
+    param_grad_dtype: the dtype the engine sums parameter gradients in (None: the weights').
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
@@ -111,7 +112,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
         weights=n_params * item,
-        grads=trainable * item,
+        grads=trainable * max(item, torch.finfo(param_grad_dtype).bits // 8 if param_grad_dtype else 0),
         optimizer=-(-trainable * optimizer_bytes_per_param // optimizer_shards),
         kv_pages=sum(layer_pages) * batch * spec.kv_bytes,
         grad_pages=sum(layer_pages) * batch * spec.grad_bytes,

@@ -39,6 +39,10 @@ class TrainConfig:
     # adamw: torch's (moments in the weights' dtype); adamw8bit: torchao's AdamW8bit, 8-bit moments (2 B per
     # parameter) and bf16 weights stochastically rounded, so updates below half a bf16 step are kept on average
     optimizer: str = "adamw"
+    # float32: the engine sums each parameter's chunk gradients in fp32 (bf16 weights: 4 B per trainable
+    # parameter during the step instead of 2; gradients as one full-sequence backward gives them); param: in
+    # the weights' dtype (bf16 sums: ~1e-2 relative error at 64 chunks, growing with their number)
+    param_grad_dtype: str = "float32"
     shard_optimizer: bool = True  # data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
@@ -78,6 +82,8 @@ class TrainConfig:
                              "inputs; train with tp=1 or without liger")
         if self.data_dtype not in BIN_DTYPES:
             raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
+        if self.param_grad_dtype not in ("float32", "param"):
+            raise ValueError(f"param_grad_dtype={self.param_grad_dtype!r} must be float32 or param")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
         if self.optimizer == "adamw8bit" and self.tp > 1:  # torchao 0.18: its 8-bit state fails inside DTensor

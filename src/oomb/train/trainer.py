@@ -175,7 +175,8 @@ def train(cfg: TrainConfig) -> list[float]:
                                       kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                       checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
                                       reserved_gpu_bytes=optimizer_state_bytes(optimizer),
-                                      compile_layers=cfg.compile_layers)
+                                      compile_layers=cfg.compile_layers,
+                                      param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None)
     except ValueError as e:
         if cfg.compile is None and cfg.compile_layers:
             raise ValueError(f"{e} (--compile is on by default with --tp {cfg.tp}: pass --no-compile)") from e
