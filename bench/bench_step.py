@@ -64,7 +64,7 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
-            compile_layers: bool = False):
+            compile_layers: bool = False, param_grad_dtype: str = "param"):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
@@ -75,7 +75,8 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="auto",
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
-                                           checkpoint_layers=checkpoint_layers, compile_layers=compile_layers)
+                                           checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
+                                           param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None)
         return (lambda ids: engine.forward_backward(ids).loss), partial(engine.reserve, 1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -94,7 +95,7 @@ def worker(args) -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
-                            compile_layers)
+                            compile_layers, args.param_grad_dtype)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -114,6 +115,7 @@ def worker(args) -> None:
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
                "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
+               "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -158,6 +160,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
     ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
     ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
+    ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
+                    help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
@@ -172,6 +176,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
+               "--param-grad-dtype", args.param_grad_dtype,
                "--device", args.device]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")

@@ -42,7 +42,8 @@ def _label(r: dict) -> str:
     return (r["impl"] + (" bf16-dKV" if r.get("kv_grad_dtype") == "bf16" else "")
             + (" ckpt-layers" if r.get("checkpoint_layers") else "")
             + (" +liger" if r.get("liger") and r["impl"] != "liger" else "")
-            + (" +compile" if r.get("compile") else ""))
+            + (" +compile" if r.get("compile") else "")
+            + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else ""))
 
 
 def step_table(rows: list[dict]) -> str:
