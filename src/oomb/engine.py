@@ -132,7 +132,7 @@ class ChunkRecurrentEngine:
         rng_states = []
         lead = _HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
-        sums = _GradSums(self._summed_params())
+        sums = _GradSums(self._summed_params(), self.param_grad_dtype)
         try:
             with torch.no_grad():
                 for c, (start, end) in enumerate(bounds[:-1]):
@@ -159,12 +159,12 @@ class ChunkRecurrentEngine:
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
-    def _summed_params(self) -> list[tuple[nn.Parameter, torch.dtype]]:
+    def _summed_params(self) -> list[nn.Parameter]:
         """The trainable parameters whose chunk gradients are summed in param_grad_dtype."""
         wide = self.param_grad_dtype
         if wide is None:
             return []
-        return [(p, wide) for p in self.model.parameters()
+        return [p for p in self.model.parameters()
                 if p.requires_grad and torch.finfo(p.dtype).bits < torch.finfo(wide).bits]
 
     def reserve(self, batch: int, seq_len: int) -> None:
@@ -317,8 +317,10 @@ class ChunkRecurrentEngine:
                            checkpoint_layers=self.checkpoint_layers,
                            n_params=sum(p.numel() for p in self.model.parameters())).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
-        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad and p.grad is None)
-        grads += sum(p.numel() * torch.finfo(wide).bits // 8 for p, wide in self._summed_params())  # the sums
+        summed = set(self._summed_params())  # their sums, not their .grad, take the room during the step
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
+                    if p.requires_grad and p.grad is None and p not in summed)
+        grads += sum(p.numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
         later = grads + self.reserved_gpu_bytes
         return max(0, self._free_gpu_bytes() + reusable - working_set - staging - later - GPU_MARGIN_BYTES)
 
@@ -411,20 +413,19 @@ class _GradSums:
     stored, not added, in the parameter's dtype); close() rounds the sums into .grad once.
     A .grad the caller already had (an earlier micro-batch) starts the sum."""
 
-    def __init__(self, params: list[tuple[nn.Parameter, torch.dtype]]) -> None:
+    def __init__(self, params: list[nn.Parameter], wide: torch.dtype | None) -> None:
         self.sums: dict[nn.Parameter, torch.Tensor] = {}
-        self.params = [p for p, _ in params]
-        self.hooks = []
-        for p, wide in params:
+        self.params, self.wide = params, wide
+        for p in params:
             if p.grad is not None:
                 self.sums[p] = p.grad.to(wide)
                 p.grad = None
-            self.hooks.append(p.register_post_accumulate_grad_hook(partial(self._move, wide=wide)))
+        self.hooks = [p.register_post_accumulate_grad_hook(self._move) for p in params]
 
-    def _move(self, p: nn.Parameter, wide: torch.dtype) -> None:
+    def _move(self, p: nn.Parameter) -> None:
         total = self.sums.get(p)
         if total is None:
-            self.sums[p] = p.grad.to(wide)
+            self.sums[p] = p.grad.to(self.wide)
         else:
             total.add_(p.grad)
         p.grad = None
