@@ -64,7 +64,7 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
-            compile_layers: bool = False, param_grad_dtype: str = "param"):
+            compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: bool = False):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
@@ -76,7 +76,8 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
-                                           param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None)
+                                           param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None,
+                                           keep_attention=keep_attention)
         return (lambda ids: engine.forward_backward(ids).loss), partial(engine.reserve, 1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -95,7 +96,7 @@ def worker(args) -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
-                            compile_layers, args.param_grad_dtype)
+                            compile_layers, args.param_grad_dtype, args.keep_attention and args.impl in OOMB_OFFLOAD)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -116,6 +117,7 @@ def worker(args) -> None:
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
                "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
+               "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -160,6 +162,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
     ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
     ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
+    ap.add_argument("--keep-attention", action="store_true",
+                    help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
@@ -184,6 +188,8 @@ def main() -> None:
             cmd.append("--oomb-liger")
         if args.oomb_compile:
             cmd.append("--oomb-compile")
+        if args.keep_attention:
+            cmd.append("--keep-attention")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         try:

@@ -43,7 +43,8 @@ def _label(r: dict) -> str:
             + (" ckpt-layers" if r.get("checkpoint_layers") else "")
             + (" +liger" if r.get("liger") and r["impl"] != "liger" else "")
             + (" +compile" if r.get("compile") else "")
-            + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else ""))
+            + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
+            + (" keep-attn" if r.get("keep_attention") else ""))
 
 
 def step_table(rows: list[dict]) -> str:

@@ -317,3 +317,35 @@ def test_param_grad_dtype_sums_bf16_chunk_gradients_in_fp32():
         assert rel_err(p.grad, grads["bf16"][n] + grads["fp32"][n]) <= 2 ** -7, n
     with pytest.raises(ValueError, match="param_grad_dtype=torch.bfloat16 must be None"):
         oomb.ChunkRecurrentEngine(model, param_grad_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("family,kwargs", [("qwen2", {}), ("qwen2", {"backend": "triton"}), ("gpt_oss", {}),
+                                           ("qwen3", {"sparse": oomb.TopKPages(budget=2, block_queries=16)}),
+                                           ("llama", {"checkpoint_layers": True})])
+def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family, kwargs, monkeypatch):
+    """keep_attention=True: stage 2 takes each layer's output and LSE from stage 1 instead of
+    computing the attention forward again (only the last chunk, which has no stage 1, computes
+    it): loss and every gradient bitwise those of the default engine; nothing kept afterwards."""
+    from oomb.attention import paged, reference
+
+    ids = random_batch(1, 160)
+    results = {}
+    for keep in (False, True):
+        model = make_model(family)
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, keep_attention=keep,
+                                           **{"backend": "torch", **kwargs})
+        ops = paged if engine.backend == "triton" else reference
+        calls = []
+        real = ops.forward
+        monkeypatch.setattr(ops, "forward", lambda *a, **k: calls.append(torch.is_grad_enabled()) or real(*a, **k))
+        loss = engine.forward_backward(ids).loss
+        monkeypatch.setattr(ops, "forward", real)
+        results[keep] = (loss, {n: p.grad for n, p in model.named_parameters()}, len(calls))
+        assert not engine._kept
+    (loss0, grads0, calls0), (loss1, grads1, calls1) = results[False], results[True]
+    assert torch.equal(loss0, loss1) and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
+    # 5 chunks: the first four take stage 1's attention of every layer but the last (stage 1 stops
+    # at its K/V); a recomputed layer (checkpoint_layers) would have computed it twice
+    assert calls0 - calls1 == 4 * (2 - 1) * (2 if kwargs.get("checkpoint_layers") else 1)
+    with pytest.raises(ValueError, match="keep_attention=True with offload='all'"):
+        oomb.ChunkRecurrentEngine(make_model("qwen2"), chunk_size=32, page_size=16, offload="all", keep_attention=True)

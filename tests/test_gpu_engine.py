@@ -244,3 +244,13 @@ def test_adamw8bit_on_the_gpu():
         assert torch.cuda.memory_allocated() - before == pytest.approx(predicted, rel=0.01), name
         moved[name] = (p.detach() != w)[big].float().mean().item()
     assert moved["adamw"] == 0.0 and moved["adamw8bit"] > 0.02, moved
+
+
+def test_kept_attention_identical_on_the_gpu(wide_model):
+    """keep_attention=True with the Triton kernels in bf16: gradients torch.equal the default's."""
+    ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")
+    grads = []
+    for keep in (False, True):
+        oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, backend="triton", keep_attention=keep).forward_backward(ids)
+        grads.append(grads_of(wide_model))
+    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])

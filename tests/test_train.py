@@ -374,3 +374,9 @@ def test_trainer_sums_parameter_gradients_in_fp32_by_default(monkeypatch):
     assert fp32_sums == 2 * bf16_sums
     with pytest.raises(ValueError, match="param_grad_dtype='fp16' must be float32 or param"):
         TrainConfig(param_grad_dtype="fp16")
+
+
+def test_keep_attention_trains_identically():
+    """--keep-attention (stage 2 takes stage 1's attention outputs): the same losses, bitwise."""
+    cfg = {**SMALL, "steps": 2}
+    assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg))

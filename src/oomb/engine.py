@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .attention import paged_attention, resolve_backend
+from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.sparse import Selection, TopKPages, select_pages
 from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
 from .memory.spec import PageSpec
@@ -52,7 +52,7 @@ class ChunkRecurrentEngine:
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
                  reserved_gpu_bytes: int = 0, compile_layers: bool = False,
-                 param_grad_dtype: torch.dtype | None = None) -> None:
+                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool = False) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -72,7 +72,14 @@ class ChunkRecurrentEngine:
                                                  and torch.finfo(param_grad_dtype).bits >= 32):
             raise ValueError(f"param_grad_dtype={param_grad_dtype} must be None (each parameter's own dtype) "
                              "or a float of 32 bits or more (torch.float32)")
+        if keep_attention and offload != "none":
+            raise ValueError(f"keep_attention=True with offload={offload!r}: the kept attention outputs live on the "
+                             "GPU beside the pages; use offload='none', or keep_attention=False")
         self.model = model
+        # Stage 1 keeps each layer's attention output and LSE (C x H x D in the weights' dtype + C x H
+        # fp32 per layer and chunk) so that stage 2 does not compute that attention again.
+        self.keep_attention = bool(keep_attention)
+        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Each parameter's gradient is a sum over the chunks: in bf16 its rounding grows with their
         # number (~1.5e-2 relative at 256 chunks); param_grad_dtype sums them in fp32 buffers and
         # rounds into .grad once, as one full-sequence backward does.
@@ -138,7 +145,7 @@ class ChunkRecurrentEngine:
                 for c, (start, end) in enumerate(bounds[:-1]):
                     rng_states.append(self._rng_state())
                     self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
-                    self._stage1_chunk(c, input_ids[:, start:end], start)
+                    self._stage1_chunk(c, input_ids[:, start:end], start, keep=self.keep_attention)
                     lead.chunk_done()
                     passes.done()
             rng_states.append(self._rng_state())
@@ -152,10 +159,13 @@ class ChunkRecurrentEngine:
                                                 last=c == len(bounds) - 1)
                 if c < len(bounds) - 1:
                     self.store.free_chunk(c)
+                for i in range(self.adapter.n_layers):
+                    self._kept.pop((c, i), None)
                 lead.chunk_done()
                 passes.done()
         finally:
             sums.close()
+            self._kept.clear()
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
@@ -200,9 +210,10 @@ class ChunkRecurrentEngine:
         return StepResult(loss=total / count, num_tokens=count)
 
     def _stage1_chunk(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
-                      full: bool = False) -> torch.Tensor:
+                      full: bool = False, keep: bool = False) -> torch.Tensor:
         """Run a chunk without autograd, storing its K/V; returns the final hidden states when
-        `full`, else stops after the last layer's K/V (nothing else of it is needed)."""
+        `full`, else stops after the last layer's K/V (nothing else of it is needed). `keep`:
+        also keep each layer's attention output and LSE for stage 2."""
         a = self.adapter
         first_page = c * (self.chunk_size // self.page_size)
         h = a.embed_tokens(ids)  # (B, C, hidden)
@@ -214,7 +225,11 @@ class ChunkRecurrentEngine:
                 self.store.write(i, first_page, k, v)
             if not attend:
                 break
-            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+            if keep:
+                self._kept[c, i] = attention_with_lse(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+                o = self._kept[c, i][0]
+            else:
+                o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
             h = a.finish_layer(layer, h, o)
         return h
 
@@ -229,7 +244,7 @@ class ChunkRecurrentEngine:
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
-            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self._kept.get((c, i)))
             return a.finish_layer(layer, h, o), groups
 
         with torch.enable_grad():
@@ -349,14 +364,26 @@ class ChunkRecurrentEngine:
                     "GPU) or sparse attention."
                 )
         if self.device.type == "cuda" and self.offload != "auto":
-            need = self.store.device_bytes(batch, max_pages) - pool_now
+            kept = self._kept_bytes(batch, max_pages)
+            need = self.store.device_bytes(batch, max_pages) - pool_now + kept
             free = self._free_gpu_bytes()
             if need > free:
+                also = f" (of which {human_bytes(kept)} for keep_attention: leave it off)" if kept else ""
                 raise ValueError(
-                    f"the pages of this step need {human_bytes(need)} more GPU memory, {human_bytes(free)} "
+                    f"the pages of this step need {human_bytes(need)} more GPU memory{also}, {human_bytes(free)} "
                     f"is free; use offload='auto' or offload='all' (pages on the host), a shorter context or "
                     "kv_grad_dtype=torch.bfloat16"
                 )
+
+    def _kept_bytes(self, batch: int, max_pages: int) -> int:
+        """Device bytes of the attention outputs and LSEs stage 1 keeps (keep_attention): every
+        stored chunk, every layer but the last (stage 1 stops at its K/V)."""
+        if not self.keep_attention:
+            return 0
+        a = self.adapter
+        chunks = max_pages // (self.chunk_size // self.page_size)
+        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
+        return chunks * (a.n_layers - 1) * batch * self.chunk_size * heads * (a.head_dim * self.spec.dtype.itemsize + 4)
 
     # -- helpers ------------------------------------------------------------------------------
 

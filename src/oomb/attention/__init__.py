@@ -32,13 +32,26 @@ def single_group(pages) -> PageGroups:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups,
-                    scale: float, backend: str, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                    scale: float, backend: str, sinks: torch.Tensor | None = None,
+                    known: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D).
 
     With autograd on, backward adds the earlier pages' dK/dV into their gradient pages.
     sinks: (H,) attention-sink logits (GPT-OSS), or None.
+    known: (o, lse) of these same inputs from attention_with_lse (stage 1 of the chunk): the
+    forward is not computed again; backward reads the pages as always.
     """
     ops = importlib.import_module(_MODULES[backend])
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
-        return PagedAttention.apply(q, k, v, sinks, groups, scale, ops)
+        return PagedAttention.apply(q, k, v, sinks, groups, scale, ops, known)
+    if known is not None:
+        return known[0]
     return attention_forward(ops, q, k, v, groups, scale, sinks)[0].to(q.dtype)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups, scale: float,
+                       backend: str, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(o (B, H, C, D) in q's dtype, lse fp32 (B, H, C)), without autograd: what a later
+    paged_attention(..., known=) of the same inputs takes instead of computing them again."""
+    o, lse = attention_forward(importlib.import_module(_MODULES[backend]), q, k, v, groups, scale, sinks)
+    return o.to(q.dtype), lse

@@ -50,9 +50,12 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 class PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, groups: PageGroups, scale: float, ops: ModuleType):
-        o, lse = attention_forward(ops, q, k, v, groups, scale, sinks)
-        o = o.to(q.dtype)
+    def forward(ctx, q, k, v, sinks, groups: PageGroups, scale: float, ops: ModuleType, known=None):
+        if known is None:
+            o, lse = attention_forward(ops, q, k, v, groups, scale, sinks)
+            o = o.to(q.dtype)
+        else:  # computed before from the same inputs (stage 1): o in q's dtype, lse fp32
+            o, lse = known[0].detach(), known[1]  # a new alias becomes this call's output
         # Only o and the LSE are kept; the pages are read again (in place or staged) in backward.
         ctx.save_for_backward(q, k, v, o, lse, sinks)
         ctx.groups, ctx.scale, ctx.ops = groups, scale, ops
@@ -75,4 +78,4 @@ class PagedAttention(torch.autograd.Function):
             p_sink = torch.exp(sinks.float()[None, :, None] - lse)  # (B, H, C)
             delta = (o.float() * do.float()).sum(-1)
             dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-        return dq.to(q.dtype), dk, dv, dsinks, None, None, None
+        return dq.to(q.dtype), dk, dv, dsinks, None, None, None, None

@@ -176,7 +176,8 @@ def train(cfg: TrainConfig) -> list[float]:
                                       checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
                                       reserved_gpu_bytes=optimizer_state_bytes(optimizer),
                                       compile_layers=cfg.compile_layers,
-                                      param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None)
+                                      param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
+                                      keep_attention=cfg.keep_attention)
     except ValueError as e:
         if cfg.compile is None and cfg.compile_layers:
             raise ValueError(f"{e} (--compile is on by default with --tp {cfg.tp}: pass --no-compile)") from e
