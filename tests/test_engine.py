@@ -347,5 +347,9 @@ def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family
     # 5 chunks: the first four take stage 1's attention of every layer but the last (stage 1 stops
     # at its K/V); a recomputed layer (checkpoint_layers) would have computed it twice
     assert calls0 - calls1 == 4 * (2 - 1) * (2 if kwargs.get("checkpoint_layers") else 1)
+    from oomb.plan import plan  # counts what the engine checks for the kept outputs
+    pages_per_chunk = 2  # chunk 32, page 16: 4 stored chunks
+    assert engine._kept_bytes(1, 4 * pages_per_chunk) == plan(model.config, 160, chunk_size=32, page_size=16,
+                                                              dtype=torch.float32, keep_attention=True).kept_attention
     with pytest.raises(ValueError, match="keep_attention=True with offload='all'"):
         oomb.ChunkRecurrentEngine(make_model("qwen2"), chunk_size=32, page_size=16, offload="all", keep_attention=True)

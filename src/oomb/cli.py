@@ -65,7 +65,8 @@ def cmd_plan(args) -> None:
         return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
                     checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp,
-                    param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None)
+                    param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
+                    keep_attention=args.keep_attention)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -151,6 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
+    p_plan.add_argument("--keep-attention", action="store_true",
+                        help="stage 1 keeps the attention outputs for stage 2 (offload none)")
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
     p_plan.add_argument("--sparse-budget", type=int, default=0,
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")

@@ -32,6 +32,7 @@ class MemoryPlan:
     window_pages: int = 0  # bytes of the sliding-window layers' pages (a few per chunk; always on the GPU)
     representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
+    kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (on the GPU)
 
     @property
     def working_set(self) -> int:
@@ -45,7 +46,7 @@ class MemoryPlan:
     @property
     def total(self) -> int:
         return (self.weights + self.grads + self.optimizer + self.pages + self.representatives + self.selections
-                + self.working_set)
+                + self.kept_attention + self.working_set)
 
     def bytes_per_token(self) -> float:
         """Page bytes per token of context (the slope of memory against context length)."""
@@ -61,6 +62,8 @@ class MemoryPlan:
                 ("logits slice + grad", self.logits_slice), ("embedding gradient (transient)", self.embedding_grad)]
         if self.representatives or self.selections:
             rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections)]
+        if self.kept_attention:
+            rows.append(("kept attention outputs", self.kept_attention))
         rows.append(("total", self.total))
         width = max(len(r[0]) for r in rows)
         return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
@@ -70,7 +73,8 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
          dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
          trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
-         optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None) -> MemoryPlan:
+         optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None,
+         keep_attention: bool = False) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
@@ -80,6 +84,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
     param_grad_dtype: the dtype the engine sums parameter gradients in (None: the weights').
+    keep_attention: stage 1 keeps every layer's attention output and LSE but the last's, per stored chunk.
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
@@ -124,6 +129,8 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         page_bytes=spec.page_bytes,
         full_layers=n_full,
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
+        kept_attention=((n_chunks - 1) * (n_layers - 1) * batch * chunk_size * heads * (head_dim * item + 4)
+                        if keep_attention else 0),
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
@@ -205,7 +212,8 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
     while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
+    fixed = (p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + p.kept_attention
+             + GPU_MARGIN_BYTES)
     n_layers = p.full_layers
     layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
     staging = 2 * staging_pages * p.batch * p.page_bytes
