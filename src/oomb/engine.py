@@ -29,7 +29,7 @@ from .memory.spec import PageSpec
 from .memory.offload import available_host_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .plan import GPU_MARGIN_BYTES, human_bytes, plan
+from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan
 
 OFFLOAD_MODES = ("none", "all", "auto")
 
@@ -139,7 +139,7 @@ class ChunkRecurrentEngine:
         rng_states = []
         lead = _HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
-        sums = _GradSums(self._summed_params(), self.param_grad_dtype)
+        sums = _GradSums(self.summed_params(), self.param_grad_dtype)
         try:
             with torch.no_grad():
                 for c, (start, end) in enumerate(bounds[:-1]):
@@ -169,7 +169,7 @@ class ChunkRecurrentEngine:
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
-    def _summed_params(self) -> list[nn.Parameter]:
+    def summed_params(self) -> list[nn.Parameter]:
         """The trainable parameters whose chunk gradients are summed in param_grad_dtype."""
         wide = self.param_grad_dtype
         if wide is None:
@@ -332,7 +332,7 @@ class ChunkRecurrentEngine:
                            checkpoint_layers=self.checkpoint_layers,
                            n_params=sum(p.numel() for p in self.model.parameters())).working_set
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
-        summed = set(self._summed_params())  # their sums, not their .grad, take the room during the step
+        summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
                     if p.requires_grad and p.grad is None and p not in summed)
         grads += sum(p.numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
@@ -376,14 +376,14 @@ class ChunkRecurrentEngine:
                 )
 
     def _kept_bytes(self, batch: int, max_pages: int) -> int:
-        """Device bytes of the attention outputs and LSEs stage 1 keeps (keep_attention): every
-        stored chunk, every layer but the last (stage 1 stops at its K/V)."""
+        """Device bytes of the attention outputs and LSEs stage 1 keeps (keep_attention), of this
+        rank's query heads."""
         if not self.keep_attention:
             return 0
         a = self.adapter
-        chunks = max_pages // (self.chunk_size // self.page_size)
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
-        return chunks * (a.n_layers - 1) * batch * self.chunk_size * heads * (a.head_dim * self.spec.dtype.itemsize + 4)
+        return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), a.n_layers, batch,
+                                    self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
 
     # -- helpers ------------------------------------------------------------------------------
 

@@ -103,7 +103,7 @@ def all_reduce_gradients(model: nn.Module, dp_group=None, bucket_bytes: int = 25
     """Sum every gradient over the data-parallel ranks, a flat bucket of tensors at a time."""
     if not dist.is_initialized() or dist.get_world_size(dp_group) == 1:
         return
-    grads = [_local(p.grad) for p in model.parameters() if p.grad is not None]
+    grads = [local_tensor(p.grad) for p in model.parameters() if p.grad is not None]
     bucket, size = [], 0
     for g in grads + [None]:
         if g is not None and (not bucket or (g.dtype == bucket[0].dtype and size < bucket_bytes)):
@@ -120,7 +120,8 @@ def all_reduce_gradients(model: nn.Module, dp_group=None, bucket_bytes: int = 25
         bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor; any other tensor as it is."""
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -132,12 +133,12 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, tp_group=None) 
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
     sharded = [g for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
     replicated = [g for g in grads if not any(g is s for s in sharded)]
-    device = _local(grads[0]).device
-    sq_sharded = sum((_local(g).float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
+    device = local_tensor(grads[0]).device
+    sq_sharded = sum((local_tensor(g).float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
     dist.all_reduce(sq_sharded, group=tp_group)
-    sq = sq_sharded + sum((_local(g).float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
+    sq = sq_sharded + sum((local_tensor(g).float().pow(2).sum() for g in replicated), torch.zeros((), device=device))
     norm = sq.sqrt()
     coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
     for g in grads:
-        _local(g).mul_(coef.to(g.dtype))
+        local_tensor(g).mul_(coef.to(g.dtype))
     return float(norm)

@@ -46,7 +46,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: P
         return PagedAttention.apply(q, k, v, sinks, groups, scale, ops, known)
     if known is not None:
         return known[0]
-    return attention_forward(ops, q, k, v, groups, scale, sinks)[0].to(q.dtype)
+    return attention_with_lse(q, k, v, groups, scale, backend, sinks)[0]
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups, scale: float,

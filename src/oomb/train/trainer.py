@@ -12,7 +12,8 @@ import torch.distributed as dist
 from ..attention.sparse import TopKPages
 from ..engine import ChunkRecurrentEngine
 from ..models.liger import apply_liger
-from ..parallel import all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count, init_distributed
+from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
+                        init_distributed, local_tensor)
 from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
@@ -93,7 +94,7 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     an fp32 scale per block of each moment for the tensors it quantizes (torchao's rule), like
     AdamW for the others."""
     local = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local optimizer
-    params = [p.to_local() if hasattr(p, "to_local") else p for g in local.param_groups for p in g["params"]]
+    params = [local_tensor(p) for g in local.param_groups for p in g["params"]]
     block = getattr(local, "block_size", None)  # torchao's low-bit optimizers
     total = 0
     for p in params:
@@ -109,7 +110,7 @@ def lost_update_fraction(params: list, lr: float) -> float:
     step is more than 2^-8 |w|, so at |w| >= 512 lr an update of lr is below half a step and
     round-to-nearest puts w back. Adam's updates are about lr at most: under torch's AdamW these
     weights stay where they are."""
-    low = [p.to_local() if hasattr(p, "to_local") else p for p in params if p.dtype == torch.bfloat16]
+    low = [local_tensor(p) for p in params if p.dtype == torch.bfloat16]
     total = sum(p.numel() for p in low)
     if not total:
         return 0.0
@@ -211,7 +212,7 @@ def train(cfg: TrainConfig) -> list[float]:
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
               f"{'compiled layers, ' if cfg.compile_layers else ''}{'kept attention, ' if cfg.keep_attention else ''}"
-              f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine._summed_params() else ''}, "
+              f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     logger = StepLogger(cfg.steps, device, metrics=metrics)
