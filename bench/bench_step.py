@@ -64,7 +64,8 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
-            compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: bool = False):
+            compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: bool = False,
+            page_budget_gib: float | None = None):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
@@ -77,8 +78,12 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
                                            param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None,
-                                           keep_attention=keep_attention)
-        return (lambda ids: engine.forward_backward(ids).loss), partial(engine.reserve, 1)
+                                           keep_attention=keep_attention,
+                                           gpu_page_budget_bytes=None if page_budget_gib is None
+                                           else int(page_budget_gib * 2**30))
+        step = lambda ids: engine.forward_backward(ids).loss  # noqa: E731
+        step.host_layers = lambda: len(engine.store.host_layers)
+        return step, partial(engine.reserve, 1)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def hf_step(ids):
@@ -96,7 +101,8 @@ def worker(args) -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
-                            compile_layers, args.param_grad_dtype, args.keep_attention and args.impl in OOMB_OFFLOAD)
+                            compile_layers, args.param_grad_dtype, args.keep_attention and args.impl in OOMB_OFFLOAD,
+                            args.page_budget_gib)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -133,6 +139,8 @@ def worker(args) -> None:
                        # a step that runs close to the GPU's capacity pays for each
                        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
+            if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
+                row["host_layers"] = step.host_layers()
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
         if profile and row["ok"]:
@@ -166,6 +174,8 @@ def main() -> None:
                     help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
+    ap.add_argument("--page-budget-gib", type=float, default=None,
+                    help="oomb 'auto': GPU bytes for pages (default: what is free); fewer puts more layers on the host")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
@@ -192,6 +202,8 @@ def main() -> None:
             cmd.append("--keep-attention")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
+        if args.page_budget_gib is not None:
+            cmd += ["--page-budget-gib", str(args.page_budget_gib)]
         try:
             subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:

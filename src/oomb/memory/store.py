@@ -94,6 +94,11 @@ class PagedKVStore:
                 self.reps = torch.empty(shape, dtype=self.spec.dtype, device=self.device)
 
     @property
+    def host_layers(self) -> list[int]:
+        """Layers whose pages live on the host (placed by the last `place()`)."""
+        return [layer for layer in range(self.n_layers) if layer not in self._row]
+
+    @property
     def layer_page_bytes(self) -> int:
         """Bytes of one page of one layer: K, V, dK, dV and the sparse representatives."""
         return self.spec.page_bytes + self.host.rep_bytes
