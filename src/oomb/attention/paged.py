@@ -614,11 +614,12 @@ def _page_visits(pages: LayerPages) -> dict:
     sel, inside = _group_picks(pages)
     b, n_kv, n_blocks, _ = sel.shape
     n = pages.n_pages
-    chosen = torch.zeros((b, n_kv, n + 1, n_blocks), dtype=torch.int8, device=device)
-    ib, ih, iq = (torch.arange(x, device=device).view(*s) for x, s in
-                  ((b, (b, 1, 1, 1)), (n_kv, (1, n_kv, 1, 1)), (n_blocks, (1, 1, n_blocks, 1))))
-    chosen[ib, ih, torch.where(inside, sel, n), iq] = 1  # picks outside the group land in row n
-    chosen = chosen[:, :, :n]
+    # chosen[b, h, page, block] = 1 for every pick; picks outside the group land in row n. A
+    # scatter with a scalar: `chosen[index] = 1` would copy the 1 from the host and sync.
+    row = torch.where(inside, sel, n) * n_blocks + torch.arange(n_blocks, device=device)[:, None]
+    chosen = torch.zeros((b, n_kv, (n + 1) * n_blocks), dtype=torch.int8, device=device)
+    chosen.scatter_(2, row.flatten(2), 1)
+    chosen = chosen.view(b, n_kv, n + 1, n_blocks)[:, :, :n]
     count = chosen.sum(-1, dtype=torch.int32)
     visits = torch.sort(chosen, dim=-1, descending=True, stable=True).indices  # chosen blocks first, ascending
     order = torch.sort(count, dim=-1, descending=True, stable=True).indices

@@ -164,9 +164,9 @@ class PagedKVStore:
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
         self.k[slots] = to_pages(k, n_pages)
         self.v[slots] = to_pages(v, n_pages)
-        if self.spec.grads:
-            self.dk[slots] = 0
-            self.dv[slots] = 0
+        if self.spec.grads:  # index_fill_, not `dk[slots] = 0`: that copies the 0 from the host and syncs
+            self.dk.index_fill_(0, slots.flatten(), 0)
+            self.dv.index_fill_(0, slots.flatten(), 0)
 
     def page_groups(self, layer: int, n_pages: int, window: int = 0):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
