@@ -123,7 +123,8 @@ def sync_sites(engine, ids) -> list[str]:
 def test_no_host_sync_per_chunk(wide_model, kwargs):
     """A step syncs the host a fixed number of times, however many chunks, pages and groups it
     has: a sync per chunk and layer drains the GPU's queue (e.g. `x[index] = 0` on a CUDA
-    tensor copies the 0 from the host and syncs). Only the host-lead throttle may wait per chunk."""
+    tensor copies the 0 from the host and syncs). (The host-lead throttle waits on an event,
+    which the debug mode does not count: it leaves a chunk queued.)"""
     engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, **kwargs)
     sites = {}
     for length in (4096, 16384):
@@ -131,11 +132,12 @@ def test_no_host_sync_per_chunk(wide_model, kwargs):
         engine.forward_backward(ids)  # warm-up at this size (allocations)
         wide_model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
-        sites[length] = [s for s in sync_sites(engine, ids) if "chunk_done" not in s and "oldest." not in s]
+        sites[length] = sync_sites(engine, ids)
         wide_model.zero_grad(set_to_none=True)
     print(f"syncs per step {kwargs}: {len(sites[4096])} at 4K, {len(sites[16384])} at 16K: {Counter(sites[16384])}")
-    # 16K: 12 more chunks, 8 pages more per layer and chunk, many more groups: no more syncs.
-    assert len(sites[16384]) <= len(sites[4096]), Counter(sites[16384])
+    # 16K: 12 more chunks, 8 pages more per layer and chunk, many more groups: no more syncs
+    # than the one at the start (the count of predicted tokens).
+    assert len(sites[16384]) <= len(sites[4096]) <= 1, Counter(sites[16384])
 
 
 def test_sparse_bf16_dense_budget_and_determinism(wide_model):

@@ -111,7 +111,8 @@ class DecoderAdapter:
         """
         c = h.shape[1]
         positions = torch.arange(start, start + c + 1, device=h.device)
-        positions[-1] = max(seq_len - 1, start + c - 1)
+        # fill_, not `positions[-1] = x`: that copies x from the host, a sync per chunk
+        positions[-1:].fill_(max(seq_len - 1, start + c - 1))
         cos, sin = self.rotary_emb(h, positions[None])  # (1, C + 1, D)
         return cos[:, :c], sin[:, :c]
 
