@@ -22,7 +22,6 @@ import resource
 import subprocess
 import sys
 import time
-from functools import partial
 
 import torch
 
@@ -68,7 +67,9 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
             page_budget_gib: float | None = None):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
-    before its first step (pinning ~100 GiB takes about a minute: not part of a step)."""
+    before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
+    warms up the host path when offload puts layers there (its kernels compile at first use:
+    ~4 s once, which a training run pays in its first step only)."""
     if impl in OOMB_OFFLOAD:
         import oomb
 
@@ -83,7 +84,19 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            else int(page_budget_gib * 2**30))
         step = lambda ids: engine.forward_backward(ids).loss  # noqa: E731
         step.host_layers = lambda: len(engine.store.host_layers)
-        return step, partial(engine.reserve, 1)
+
+        def reserve(tokens: int) -> None:
+            engine.reserve(1, tokens)
+            n_host = len(engine.store.host_layers)
+            if n_host:  # the host path's kernels compile at their first use: warm them up with the
+                # same layers on the host, at two chunks (a fixed page budget places them)
+                budget, pages = engine.gpu_page_budget_bytes, chunk_size // 128
+                n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
+                engine.gpu_page_budget_bytes = n_device * pages * engine.store.layer_page_bytes
+                step(torch.randint(0, model.config.vocab_size, (1, 2 * chunk_size), device=model.device))
+                assert len(engine.store.host_layers) == n_host
+                engine.gpu_page_budget_bytes = budget
+        return step, reserve
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
     def hf_step(ids):
