@@ -137,6 +137,7 @@ def worker(args) -> None:
                "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
+               "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]

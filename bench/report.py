@@ -44,7 +44,8 @@ def _label(r: dict) -> str:
             + (" +liger" if r.get("liger") and r["impl"] != "liger" else "")
             + (" +compile" if r.get("compile") else "")
             + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
-            + (" keep-attn" if r.get("keep_attention") else ""))
+            + (" keep-attn" if r.get("keep_attention") else "")
+            + (f" {r['host_layers']}-host-layers" if r.get("page_budget_gib") is not None else ""))
 
 
 def step_table(rows: list[dict]) -> str:

@@ -136,8 +136,8 @@ def test_no_host_sync_per_chunk(wide_model, kwargs):
         wide_model.zero_grad(set_to_none=True)
     print(f"syncs per step {kwargs}: {len(sites[4096])} at 4K, {len(sites[16384])} at 16K: {Counter(sites[16384])}")
     # 16K: 12 more chunks, 8 pages more per layer and chunk, many more groups: no more syncs
-    # than the one at the start (the count of predicted tokens).
-    assert len(sites[16384]) <= len(sites[4096]) <= 1, Counter(sites[16384])
+    # than at 4K, and only the one at the start (the count of predicted tokens).
+    assert len(sites[16384]) <= min(len(sites[4096]), 1), Counter(sites[16384])
 
 
 def test_sparse_bf16_dense_budget_and_determinism(wide_model):
