@@ -122,30 +122,6 @@ def test_sparse_offload_identical_to_device_pool(backend):
     assert all(torch.equal(grads[n], grads_auto[n]) for n in grads)
 
 
-def test_stage2_loads_each_selection_once(monkeypatch):
-    """Stage 2 loads the next layer's kept selection ahead, into the other staging buffer: every
-    load is used, none is overwritten before its layer reads it (loads == passes that read pages)."""
-    from oomb.memory import offload
-    loads, reads = [], []
-    load, call = offload.HostPages._load, offload._HostGroups.__call__
-
-    def counted_load(self, buf, layer, span, with_grad, rows=None):
-        loads.append((layer, with_grad))
-        return load(self, buf, layer, span, with_grad, rows)
-
-    def counted_call(self, with_grad):
-        if self.spans:
-            reads.append((self.layer, with_grad))
-        return call(self, with_grad)
-
-    monkeypatch.setattr(offload.HostPages, "_load", counted_load)
-    monkeypatch.setattr(offload._HostGroups, "__call__", counted_call)
-    model = make_model("qwen2", layers=3)
-    cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
-    run(model, batch(), cfg, offload="all")
-    assert sorted(loads) == sorted(reads) and len(reads) > 3 * 4
-
-
 def test_copy_rows_kernel_gathers_and_scatters():
     """The zero-copy gather/scatter kernel (interpreter on CPU) against plain indexing."""
     from oomb.memory import offload

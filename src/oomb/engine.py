@@ -113,7 +113,6 @@ class ChunkRecurrentEngine:
                                   sparse.chunk_budget if sparse is not None else 0)
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
-        self._ahead: dict[tuple[int, int], object] = {}  # (chunk, layer) -> its groups, loading ahead (stage 2)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -167,7 +166,6 @@ class ChunkRecurrentEngine:
         finally:
             sums.close()
             self._kept.clear()
-            self._ahead.clear()
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
@@ -242,10 +240,7 @@ class ChunkRecurrentEngine:
         first_page = c * pages_per_chunk
 
         def layer_step(i, layer, h, cos, sin):
-            # (with checkpoint_layers the forward runs again inside the backward, in reverse
-            # layer order: no loading ahead there)
-            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True,
-                                            ahead=not self.checkpoint_layers)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
@@ -255,7 +250,6 @@ class ChunkRecurrentEngine:
         with torch.enable_grad():
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start, self._seq_len)
-            before = None  # the groups of the layer before
             for i, layer in enumerate(a.layers):
                 if self.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
@@ -265,60 +259,39 @@ class ChunkRecurrentEngine:
                     continue
                 h, groups = layer_step(i, layer, h, cos, sin)
                 # The layer's backward starts when its output's gradient is ready: load its first
-                # group of pages (and their dK/dV) then, behind the MLP's backward, and a sparse
-                # selection of the layer before it into the other buffer, behind this whole layer.
-                h.register_hook(lambda grad, groups=groups, before=before: self._prefetch_grads(groups, before))
-                before = groups if self._is_sparse(i) else None  # one group: it fits beside the next
+                # group of pages (and their dK/dV) then, behind the MLP's backward.
+                h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)
         return ce_sum
 
-    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool, ahead: bool = False):
+    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool):
         """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads.
 
         The groups are made before the projections when the pages are known (dense; sparse
         with a kept selection), so offloaded pages start moving while q/k/v are computed.
         Sparse pages depend on q: each (chunk, layer) selects once (the first pass that sees
         it: stage 1, or stage 2 for the last chunk) and keeps its selection for the other.
-        `ahead`: also start loading the next layer's kept selection (into the other staging
-        buffer), so it moves behind this whole layer.
         """
-        groups = self._ahead.pop((c, i), None) or self._known_groups(c, i, n_pages)
+        window = self.adapter.window(i)
+        # Sliding-window layers attend densely to the few pages their window reaches.
+        sparse = self.sparse is not None and not window
+        groups = None
+        if not sparse:
+            groups = self.store.page_groups(i, n_pages, window=window)
+        elif (c, i) in self._selection:
+            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
         if groups is not None and prefetch:
             groups.prefetch(False)
-        if ahead and i + 1 < self.adapter.n_layers and self._is_sparse(i + 1) and (c, i + 1) in self._selection:
-            self._ahead[c, i + 1] = self._known_groups(c, i + 1, n_pages)
-            self._ahead[c, i + 1].prefetch(False)
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
-        if groups is None:  # a sparse layer that has not selected yet
+        if groups is None:
             with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
                 self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
             if prefetch:
                 groups.prefetch(False)
         return q, k, v, groups
-
-    def _is_sparse(self, i: int) -> bool:
-        """Layer i attends a top-k selection (sliding-window layers attend their few pages densely)."""
-        return self.sparse is not None and not self.adapter.window(i)
-
-    def _known_groups(self, c: int, i: int, n_pages: int):
-        """The groups of earlier pages layer i of chunk c reads, or None while a sparse layer has
-        not selected yet."""
-        if not self._is_sparse(i):
-            return self.store.page_groups(i, n_pages, window=self.adapter.window(i))
-        if (c, i) in self._selection:
-            return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
-        return None
-
-    @staticmethod
-    def _prefetch_grads(groups, before) -> None:
-        """Layer i's backward starts: load its pages with their dK/dV, then the pages of the layer
-        before (a sparse selection) into the other staging buffer."""
-        groups.prefetch(True)
-        if before is not None:
-            before.prefetch(True)
 
     # -- memory: placement and accounting, before anything of the step is computed ---------
 

@@ -9,10 +9,6 @@ and a group's pages are each one contiguous range:
 (dK/dV only with gradient pages; reps only with sparse attention: always the last of a layer's)
 GPU staging, two buffers (double buffering) of `group_pages` pages:
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
-A layer's groups take the buffers in turn starting with buffer `layer % 2`, so a layer of one
-group (a sparse selection) and the next layer use different buffers: the next layer's pages can
-load while this one computes (stage 2 knows every selection in advance: the engine prefetches
-one layer ahead there).
 
 Ordering is by CUDA events on two copy streams (host->GPU and GPU->host, so both directions
 run at once), never by the host thread:
@@ -64,7 +60,7 @@ class HostPages:
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
         self.stored = [self._event(), self._event()]
-        self._prefetched: dict[int, tuple] = {}  # buffer -> (groups, with_grad) a prefetch loads into it
+        self._prefetched: tuple | None = None  # (layer, with_grad, span) loading into buffer 0
         self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
 
     # -- sizes ----------------------------------------------------------------------------
@@ -182,7 +178,6 @@ class HostPages:
         n = (end - start) * self.batch
         host = self.arena[layer]
         staged = self.staging[buf]
-        self._prefetched.pop(buf, None)  # whatever a prefetch put there is overwritten
         with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
@@ -227,7 +222,6 @@ class _HostGroups:
     def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict,
                  pages: torch.Tensor | None) -> None:
         self.host, self.layer, self.extra = host, layer, extra
-        self.first_buf = layer % 2  # consecutive layers start in different buffers
         g = host.group_pages
         self.rows = None
         if pages is None:
@@ -245,13 +239,12 @@ class _HostGroups:
 
     def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it."""
-        if self.spans and not self._loading(with_grad):
+        if self.spans and self.host._prefetched != self._key(with_grad):
             self._begin(with_grad)
-            self.host._prefetched[self.first_buf] = (self, with_grad)
+            self.host._prefetched = self._key(with_grad)
 
-    def _loading(self, with_grad: bool) -> bool:
-        entry = self.host._prefetched.get(self.first_buf)
-        return entry is not None and entry[0] is self and entry[1] == with_grad
+    def _key(self, with_grad: bool) -> tuple:
+        return self.layer, with_grad, self.spans[0], id(self.rows)
 
     def _begin(self, with_grad: bool) -> None:
         host = self.host
@@ -260,7 +253,7 @@ class _HostGroups:
                 host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
             if self.rows is not None:
                 host.copy_stream.wait_event(self.rows_ready)
-        host._load(self.first_buf, self.layer, self.spans[0], with_grad, self.rows)
+        host._load(0, self.layer, self.spans[0], with_grad, self.rows)
 
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
@@ -269,11 +262,11 @@ class _HostGroups:
             dk, dv = grads if with_grad else (None, None)
             yield LayerPages(k, v, dk, dv, host.table[:, :0], 0, **self.extra)
             return
-        if not self._loading(with_grad):
+        if host._prefetched != self._key(with_grad):
             self._begin(with_grad)
-        host._prefetched.pop(self.first_buf, None)
+        host._prefetched = None
         for g, (start, end) in enumerate(spans):
-            buf = (self.first_buf + g) % 2
+            buf = g % 2
             if g + 1 < len(spans):  # load the next group while this one is computed on
                 host._load(1 - buf, layer, spans[g + 1], with_grad)
             if host.cuda:
