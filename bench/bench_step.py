@@ -82,7 +82,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            keep_attention=keep_attention,
                                            gpu_page_budget_bytes=None if page_budget_gib is None
                                            else int(page_budget_gib * 2**30))
-        step = lambda ids: engine.forward_backward(ids).loss  # noqa: E731
+        step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
         step.host_layers = lambda: len(engine.store.host_layers)
 
         def reserve(tokens: int) -> None:
@@ -99,7 +99,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         return step, reserve
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def hf_step(ids):
+    def hf_step(ids, progress=None):
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss
@@ -142,8 +142,9 @@ def worker(args) -> None:
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
         try:
-            with profiled(profile, args.profile, args.impl) as prof:
-                loss = float(step(ids))
+            window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
+            with profiled(profile, args.profile, args.impl, window or None) as prof:
+                loss = float(step(ids, progress=(lambda done, total: prof.step()) if window else None))
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -159,6 +160,7 @@ def worker(args) -> None:
             row.update(ok=False, error=str(e)[:160])
         if profile and row["ok"]:
             row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
+            row["profile_passes"] = args.profile_passes or None
             print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
         row.update(info)
         record(args.out, row)
@@ -191,6 +193,9 @@ def main() -> None:
     ap.add_argument("--page-budget-gib", type=float, default=None,
                     help="oomb 'auto': GPU bytes for pages (default: what is free); fewer puts more layers on the host")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
+    ap.add_argument("--profile-passes", default="", metavar="FIRST:COUNT",
+                    help="oomb: profile only COUNT chunk passes after the FIRST (stage 1's n - 1 passes, then "
+                         "stage 2's n): a steady-state sample of a long step (a 1M step's whole trace is too big)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
@@ -204,7 +209,7 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
-               "--param-grad-dtype", args.param_grad_dtype,
+               "--param-grad-dtype", args.param_grad_dtype, "--profile-passes", args.profile_passes,
                "--device", args.device]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")

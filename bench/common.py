@@ -38,12 +38,18 @@ def record(path: str, row: dict) -> None:
         f.write(json.dumps(row) + "\n")
 
 
-def profiled(enabled: bool, out_dir: str, name: str):
+def profiled(enabled: bool, out_dir: str, name: str, window: tuple[int, int] | None = None):
     """torch.profiler around a step (CPU + CUDA), its trace written to out_dir (read it with
-    bench/trace_gaps.py); else nothing."""
+    bench/trace_gaps.py); else nothing.
+
+    window (first, count): record only `count` chunk passes after the first `first` (the caller
+    calls prof.step() after each pass): a sample of a long step, whose whole trace would be too
+    big. Passes are counted as the host queues them, up to two chunks ahead of the GPU.
+    """
     if not enabled:
         return contextlib.nullcontext()
-    from torch.profiler import ProfilerActivity, profile, tensorboard_trace_handler
+    from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+    when = None if window is None else schedule(wait=window[0], warmup=1, active=window[1], repeat=1)
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=when,
                    on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=name))

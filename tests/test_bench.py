@@ -29,6 +29,22 @@ def test_bench_step_smoke(tmp_path):
     assert rows[0]["kv_grad_dtype"] == "bf16" and rows[0]["checkpoint_layers"] is True
 
 
+def test_bench_step_profiles_a_window_of_passes(tmp_path):
+    """--profile-passes FIRST:COUNT records only some chunk passes (a sample of a long step)."""
+    out, prof = tmp_path / "step.jsonl", tmp_path / "prof"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
+           "--impls", "oomb-sparse", "--lengths", "1K", "--chunk-size", "128", "--out", str(out),
+           "--profile", str(prof), "--profile-passes", "4:2"]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    row = json.loads(out.read_text().splitlines()[-1])
+    assert row["ok"] and row["profiled"] and row["profile_passes"] == "4:2"
+    (trace,) = prof.glob("*.json")
+    steps = {e["name"] for e in json.loads(trace.read_text())["traceEvents"]
+             if str(e.get("name", "")).startswith("ProfilerStep")}
+    assert steps == {"ProfilerStep#5", "ProfilerStep#6"}  # 4 passes waited, 1 warmed up, 2 recorded
+
+
 def test_bench_parallel_smoke(tmp_path):
     """bench_parallel.py under torchrun (gloo, CPU): 1 process, DP=2 and TP=2 run; TP=2 reads
     the first rank's sequence, so its loss equals the 1-process loss; the report renders them."""
