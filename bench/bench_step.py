@@ -153,6 +153,8 @@ def worker(args) -> None:
                        # the caching allocator's cudaMalloc retries (it freed its cache and synchronised):
                        # a step that runs close to the GPU's capacity pays for each
                        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
+                       # cudaMalloc calls during the step (the cache did not have a block): each costs
+                       device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else None,
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
             if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
                 row["host_layers"] = step.host_layers()
