@@ -353,3 +353,25 @@ def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family
                                                               dtype=torch.float32, keep_attention=True).kept_attention
     with pytest.raises(ValueError, match="keep_attention=True with offload='all'"):
         oomb.ChunkRecurrentEngine(make_model("qwen2"), chunk_size=32, page_size=16, offload="all", keep_attention=True)
+
+
+def test_kept_attention_when_it_fits():
+    """keep_attention=None keeps the outputs when they fit (offload 'none'), never with pages on
+    the host, and evaluate() keeps nothing; the gradients are those of keep_attention=False."""
+    ids = random_batch(1, 160)
+    model = make_model("qwen2")
+    grads = {}
+    for keep in (False, None):
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, keep_attention=keep)
+        engine.forward_backward(ids)
+        grads[keep] = {n: p.grad.clone() for n, p in model.named_parameters()}
+        model.zero_grad(set_to_none=True)
+        assert engine.keeps_attention is (keep is None)
+    assert all(torch.equal(grads[False][n], grads[None][n]) for n in grads[None])
+    engine.evaluate(ids)
+    assert engine.keeps_attention is False and engine._kept_bytes(1, 8) == 0
+    engine.forward_backward(ids)
+    assert engine.keeps_attention is True
+    host = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", keep_attention=None)
+    host.forward_backward(ids)
+    assert host.keeps_attention is False

@@ -274,6 +274,20 @@ def test_adamw8bit_on_the_gpu():
     assert moved["adamw"] == 0.0 and moved["adamw8bit"] > 0.02, moved
 
 
+def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
+    """keep_attention=None keeps when the outputs fit beside the pages, and not when the memory
+    still to come (reserved_gpu_bytes: the optimizer state) leaves no room for them."""
+    ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")
+    roomy = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None)
+    roomy.forward_backward(ids)
+    free, _ = torch.cuda.mem_get_info()
+    tight = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None,
+                                      reserved_gpu_bytes=free - 2**30)
+    tight.forward_backward(ids)
+    wide_model.zero_grad(set_to_none=True)
+    assert roomy.keeps_attention and not tight.keeps_attention
+
+
 def test_kept_attention_identical_on_the_gpu(wide_model):
     """keep_attention=True with the Triton kernels in bf16: gradients torch.equal the default's."""
     ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")

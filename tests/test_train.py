@@ -376,7 +376,11 @@ def test_trainer_sums_parameter_gradients_in_fp32_by_default(monkeypatch):
         TrainConfig(param_grad_dtype="fp16")
 
 
-def test_keep_attention_trains_identically():
-    """--keep-attention (stage 2 takes stage 1's attention outputs): the same losses, bitwise."""
+def test_keep_attention_trains_identically(capsys):
+    """--keep-attention (stage 2 takes stage 1's attention outputs): the same losses, bitwise; by
+    default the engine keeps them when they fit (they do here), and the start-up line says so."""
     cfg = {**SMALL, "steps": 2}
-    assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg))
+    assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg, keep_attention=False))
+    capsys.readouterr()
+    train(TrainConfig(**{**cfg, "steps": 1}))
+    assert "kept attention" in capsys.readouterr().out

@@ -52,7 +52,7 @@ class ChunkRecurrentEngine:
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
                  reserved_gpu_bytes: int = 0, compile_layers: bool = False,
-                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool = False) -> None:
+                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -77,8 +77,10 @@ class ChunkRecurrentEngine:
                              "GPU beside the pages; use offload='none', or keep_attention=False")
         self.model = model
         # Stage 1 keeps each layer's attention output and LSE (C x H x D in the weights' dtype + C x H
-        # fp32 per layer and chunk) so that stage 2 does not compute that attention again.
-        self.keep_attention = bool(keep_attention)
+        # fp32 per layer and chunk) so that stage 2 does not compute that attention again. None:
+        # whenever that fits (offload 'none'), decided at each step's start (keeps_attention).
+        self.keep_attention = None if keep_attention is None else bool(keep_attention)
+        self.keeps_attention = bool(keep_attention)
         self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Each parameter's gradient is a sum over the chunks: in bf16 its rounding grows with their
         # number (~1.5e-2 relative at 256 chunks); param_grad_dtype sums them in fp32 buffers and
@@ -145,7 +147,7 @@ class ChunkRecurrentEngine:
                 for c, (start, end) in enumerate(bounds[:-1]):
                     rng_states.append(self._rng_state())
                     self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
-                    self._stage1_chunk(c, input_ids[:, start:end], start, keep=self.keep_attention)
+                    self._stage1_chunk(c, input_ids[:, start:end], start, keep=self.keeps_attention)
                     lead.chunk_done()
                     passes.done()
             rng_states.append(self._rng_state())
@@ -190,7 +192,7 @@ class ChunkRecurrentEngine:
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
         batch = input_ids.shape[0]
         pages_per_chunk = self.chunk_size // self.page_size
-        self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
+        self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk, training=False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         lead = _HostLead(self.device)
         passes = _Passes(progress, len(bounds))
@@ -295,7 +297,7 @@ class ChunkRecurrentEngine:
 
     # -- memory: placement and accounting, before anything of the step is computed ---------
 
-    def _begin_step(self, batch: int, max_pages: int) -> None:
+    def _begin_step(self, batch: int, max_pages: int, training: bool = True) -> None:
         self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
         layer_bytes = batch * max_pages * self.store.layer_page_bytes  # one full layer's pages for the step
         # Windowed layers' few pages always stay on the device; full layers may go to the host.
@@ -307,6 +309,7 @@ class ChunkRecurrentEngine:
         else:
             n_device = len(full) if layer_bytes == 0 else min(len(full), self._page_budget() // layer_bytes)
         self.store.place(full[n_device:])
+        self.keeps_attention = training and self._keeps(batch, max_pages)  # evaluate() keeps nothing
         self._check_memory(batch, max_pages, len(full) - n_device, layer_bytes)
         self.store.begin_step(batch, max_pages)
 
@@ -324,20 +327,39 @@ class ChunkRecurrentEngine:
             self._budget = self._free_budget() if self.device.type == "cuda" else 2**62
         return self._budget
 
+    def _keeps(self, batch: int, max_pages: int) -> bool:
+        """Whether this step keeps stage 1's attention outputs: as asked, or (None) when they fit
+        beside the pages (offload 'none'; on the GPU, with what the step still needs)."""
+        if self.keep_attention is not None:
+            return self.keep_attention
+        if self.offload != "none":
+            return False
+        kept = self._attention_bytes(batch, max_pages)
+        if self.device.type != "cuda":
+            return kept <= available_host_bytes() // 4
+        pages = self.store.device_bytes(batch, max_pages) - self.store.pool.n_slots * self.spec.page_bytes
+        return pages + kept <= self._headroom()
+
     def _free_budget(self) -> int:
+        staging = 2 * self.store.host.group_pages * self.spec.page_bytes
+        return max(0, self._headroom() - staging)
+
+    def _headroom(self) -> int:
+        """Device bytes free for pages (and kept attention) now: free memory and this engine's own
+        pool, less one chunk's working set, what is still to come (parameter gradients not
+        allocated yet, `reserved_gpu_bytes`) and a margin."""
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
         working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
                            checkpoint_layers=self.checkpoint_layers,
                            n_params=sum(p.numel() for p in self.model.parameters())).working_set
-        staging = 2 * self.store.host.group_pages * self.spec.page_bytes
         summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
                     if p.requires_grad and p.grad is None and p not in summed)
         grads += sum(p.numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
         later = grads + self.reserved_gpu_bytes
-        return max(0, self._free_gpu_bytes() + reusable - working_set - staging - later - GPU_MARGIN_BYTES)
+        return self._free_gpu_bytes() + reusable - working_set - later - GPU_MARGIN_BYTES
 
     def _free_gpu_bytes(self) -> int:
         """Free device memory, counting what the caching allocator holds but does not use."""
@@ -378,8 +400,10 @@ class ChunkRecurrentEngine:
     def _kept_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the attention outputs and LSEs stage 1 keeps (keep_attention), of this
         rank's query heads."""
-        if not self.keep_attention:
-            return 0
+        return self._attention_bytes(batch, max_pages) if self.keeps_attention else 0
+
+    def _attention_bytes(self, batch: int, max_pages: int) -> int:
+        """What keeping the attention outputs and LSEs takes (this rank's query heads)."""
         a = self.adapter
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), a.n_layers, batch,

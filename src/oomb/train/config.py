@@ -27,8 +27,9 @@ class TrainConfig:
     offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
     kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
     # stage 2 takes stage 1's attention outputs instead of computing them again (offload none; holds
-    # C x H x (D + 2) x 2 bytes per layer and chunk on the GPU: 28 MiB at Qwen2.5-7B's chunk 4096)
-    keep_attention: bool = False
+    # C x H x (D + 2) x 2 bytes per layer and chunk on the GPU: 28 MiB at Qwen2.5-7B's chunk 4096);
+    # None: whenever they fit (decided by the engine at each step)
+    keep_attention: bool | None = None
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)

@@ -211,7 +211,7 @@ def train(cfg: TrainConfig) -> list[float]:
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
-              f"{'compiled layers, ' if cfg.compile_layers else ''}{'kept attention, ' if cfg.keep_attention else ''}"
+              f"{'compiled layers, ' if cfg.compile_layers else ''}{'kept attention, ' if engine.keeps_attention else ''}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
