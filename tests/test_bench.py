@@ -98,6 +98,15 @@ def test_trace_gaps_summary(tmp_path):
     assert "compute stream 7 idle 0.0 ms" in out and "copy_rows" in out and "idle before these kernels" in out
 
 
+def test_grad_add_smoke(tmp_path):
+    out = tmp_path / "add.jsonl"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "grad_add.py"), "--device", "cpu", "--sizes", "64K",
+                    "--out", str(out)], check=True, capture_output=True, timeout=300,
+                   env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["way"] for r in rows] == ["bf16 += bf16", "fp32 += bf16 (add_)"] and all(r["gb_s"] > 0 for r in rows)
+
+
 def test_grad_sums_orders_the_summations():
     """bench/grad_sums.py: bf16 sums over 64 chunks drift several times further from the exact sum
     than fp32 sums, which stay near one rounding."""
