@@ -337,8 +337,7 @@ class ChunkRecurrentEngine:
         kept = self._attention_bytes(batch, max_pages)
         if self.device.type != "cuda":
             return kept <= available_host_bytes() // 4
-        pages = self.store.device_bytes(batch, max_pages) - self.store.pool.n_slots * self.spec.page_bytes
-        return pages + kept <= self._headroom()
+        return self.store.device_bytes(batch, max_pages) + kept <= self._headroom()  # the room counts the pool
 
     def _free_budget(self) -> int:
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
