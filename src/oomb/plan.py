@@ -26,6 +26,7 @@ class MemoryPlan:
     grad_pages: int  # their dK/dV accumulators
     chunk_activations: int  # estimate: one chunk's recompute under autograd
     logits_slice: int  # one slice of fp32 logits and its gradient
+    head_logit_grads: int = 0  # a trainable head: the chunk's logit gradients (weight dtype), for its one GEMM
     embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
     page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
     full_layers: int = 0  # layers whose pages may go to the host (full attention)
@@ -37,7 +38,7 @@ class MemoryPlan:
     @property
     def working_set(self) -> int:
         """Device bytes one chunk's compute needs beside weights, gradients and pages."""
-        return self.chunk_activations + self.logits_slice + self.embedding_grad
+        return self.chunk_activations + self.logits_slice + self.head_logit_grads + self.embedding_grad
 
     @property
     def pages(self) -> int:
@@ -59,7 +60,8 @@ class MemoryPlan:
         rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
                 ("one chunk's activations (est.)", self.chunk_activations),
-                ("logits slice + grad", self.logits_slice), ("embedding gradient (transient)", self.embedding_grad)]
+                ("logits slice + grad", self.logits_slice),
+                ("head's logit gradients", self.head_logit_grads), ("embedding gradient (transient)", self.embedding_grad)]
         if self.representatives or self.selections:
             rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections)]
         if self.kept_attention:
@@ -125,6 +127,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         chunk_activations=tokens * (per_token_layer + n_layers * hidden * item if checkpoint_layers
                                     else n_layers * per_token_layer),
         logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
+        head_logit_grads=tokens * vocab * item if trainable_params is None else 0,
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
         page_bytes=spec.page_bytes,
         full_layers=n_full,
