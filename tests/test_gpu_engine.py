@@ -276,16 +276,19 @@ def test_adamw8bit_on_the_gpu():
 
 def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
     """keep_attention=None keeps when the outputs fit beside the pages, and not when the memory
-    still to come (reserved_gpu_bytes: the optimizer state) leaves no room for them."""
-    ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")
-    roomy = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None)
-    roomy.forward_backward(ids)
-    free, _ = torch.cuda.mem_get_info()
-    tight = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None,
-                                      reserved_gpu_bytes=free - 2**30)
-    tight.forward_backward(ids)
+    still to come (reserved_gpu_bytes: the optimizer state) leaves too little room for them:
+    reserving all but the pages and 1.25x the outputs keeps, all but the pages and half the
+    outputs does not."""
+    ids = torch.randint(0, wide_model.config.vocab_size, (1, 32768), device="cuda")
+    for room, keeps in ((1.25, True), (0.5, False)):
+        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None)
+        pages = ids.shape[1] // engine.page_size
+        need, kept = engine.store.device_bytes(1, pages), engine._attention_bytes(1, pages)
+        assert kept > 2**27, "the outputs must take enough room for the boundary to mean something"
+        engine.reserved_gpu_bytes = engine._headroom() - need - int(room * kept)
+        engine.forward_backward(ids)
+        assert engine.keeps_attention == keeps, (room, kept)
     wide_model.zero_grad(set_to_none=True)
-    assert roomy.keeps_attention and not tight.keeps_attention
 
 
 def test_kept_attention_identical_on_the_gpu(wide_model):

@@ -61,7 +61,7 @@ def test_store_roundtrip_and_grad_pages():
     (pages,) = store.page_groups(1, 4)(True)
     kp, vp = gather_pages(pages)
     assert torch.equal(kp[:, :, 8:], k) and torch.equal(vp[:, :, 8:], v)
-    dk, dv = store.chunk_grads(1, 2, 2)
+    dk, dv = store.chunk_grads(1, 2, 2)()
     assert dk.shape == k.shape and not dk.any() and not dv.any()
     # all slots distinct across layers, sequences and pages
     assert store.table.unique().numel() == store.table.numel() == 2 * 2 * 4

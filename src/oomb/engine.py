@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 from torch import nn
@@ -245,7 +244,7 @@ class ChunkRecurrentEngine:
             q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
-                k, v = _AddPageGrads.apply(k, v, partial(self.store.chunk_grads, i, first_page, pages_per_chunk))
+                k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
             o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self._kept.get((c, i)))
             return a.finish_layer(layer, h, o), groups
 
@@ -532,15 +531,16 @@ class _Passes:
 class _AddPageGrads(torch.autograd.Function):
     """Identity on k, v (B, Hkv, C, D); backward adds the chunk's gradient pages to dk, dv.
 
-    `fetch()` reads them at backward time, when every later chunk has finished adding into them.
+    `ready()` (PagedKVStore.chunk_grads) gives them at backward time, when every later chunk has
+    finished adding into them. The sum rounds once: bf16 + bf16 computes in fp32.
     """
 
     @staticmethod
-    def forward(ctx, k, v, fetch):
-        ctx.fetch = fetch
+    def forward(ctx, k, v, ready):
+        ctx.ready = ready
         return k.view_as(k), v.view_as(v)
 
     @staticmethod
     def backward(ctx, dk, dv):
-        acc_k, acc_v = ctx.fetch()  # (B, Hkv, C, D) grad dtype
-        return (dk.float() + acc_k).to(dk.dtype), (dv.float() + acc_v).to(dv.dtype), None
+        acc_k, acc_v = ctx.ready()  # (B, Hkv, C, D) grad dtype
+        return torch.add(dk, acc_k).to(dk.dtype), torch.add(dv, acc_v).to(dv.dtype), None

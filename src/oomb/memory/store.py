@@ -16,6 +16,8 @@ tensor op over all the chunk's pages: no Python loop over pages.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from ..attention.sparse import Selection, page_representatives
@@ -194,17 +196,23 @@ class PagedKVStore:
             return self.host.representatives(layer, n_pages)
         return self.reps[self._rep_row[layer], :, :n_pages]
 
-    def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """dK, dV that later chunks accumulated for a chunk's own keys: (B, Hkv, n*P, D)."""
+    def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """The function that gives the dK, dV later chunks accumulated for a chunk's own keys,
+        (B, Hkv, n*P, D): a host layer's are copied from now on, a device layer's are read when
+        it is called."""
         if layer not in self._row:
             return self.host.chunk_grads(layer, first_page, n_pages)
-        kept = self.kept(layer, n_pages)
-        slots = self.table[self._row[layer], :, first_page + n_pages - kept : first_page + n_pages].long()
-        dk, dv = from_pages(self.dk[slots]), from_pages(self.dv[slots])
-        if kept < n_pages:  # pages never stored received no gradient
-            pad = (0, 0, (n_pages - kept) * self.spec.page_size, 0)
-            dk, dv = torch.nn.functional.pad(dk, pad), torch.nn.functional.pad(dv, pad)
-        return dk, dv
+
+        def ready() -> tuple[torch.Tensor, torch.Tensor]:
+            kept = self.kept(layer, n_pages)
+            slots = self.table[self._row[layer], :, first_page + n_pages - kept : first_page + n_pages].long()
+            dk, dv = from_pages(self.dk[slots]), from_pages(self.dv[slots])
+            if kept < n_pages:  # pages never stored received no gradient
+                pad = (0, 0, (n_pages - kept) * self.spec.page_size, 0)
+                dk, dv = torch.nn.functional.pad(dk, pad), torch.nn.functional.pad(dv, pad)
+            return dk, dv
+
+        return ready
 
 
 class _PoolGroups:
