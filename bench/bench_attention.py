@@ -5,9 +5,15 @@ The paged kernel also does the chunk's own causal part (4,096 x 4,096 / 2), coun
 FLOPs; SDPA runs non-causal on contiguous K/V of the earlier keys only.
 
     python bench/bench_attention.py --keys 16384,65536,262144,1048576
+    python bench/bench_attention.py --keys 262144,1048576 --sparse 64 --kernels --no-sdpa
 
 Prints one JSON line per (N, impl), a table of paged / best-SDPA ratios, and appends the JSON
 lines (with GPU name, versions, commit, date) to --out.
+
+--sparse BUDGET times the kernels on a top-k selection shaped like the engine's (TopKPages
+defaults: blocks of 128 queries, each picking the sink page and BUDGET - 1 of the chunk's
+--chunk-budget candidates; FLOPs count the selected keys). --kernels adds each kernel's GPU
+time (torch.profiler, mean of 3 forward+backward runs) to the row: where the backward's time goes.
 """
 from __future__ import annotations
 
@@ -29,12 +35,55 @@ def parse_args():
     ap.add_argument("--queries", type=int, default=M, help="chunk length C (queries)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "attention.jsonl"))
     ap.add_argument("--no-sdpa", action="store_true", help="time only the paged kernels")
+    ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
+                    help="pages each block of 128 queries attends (0: dense, every page)")
+    ap.add_argument("--chunk-budget", type=int, default=256, help="with --sparse: the chunk's candidate pages")
+    ap.add_argument("--kernels", action="store_true", help="each kernel's GPU time per forward+backward")
     return ap.parse_args()
 
 
-def bench_paged(n_keys: int, c: int, outputs: bool = False) -> dict:
+BLOCK_QUERIES = 128
+
+
+def engine_like_selection(n_pages: int, c: int, budget: int, chunk_budget: int, device) -> torch.Tensor:
+    """(1, Hkv, n_blocks, budget) int32 ascending logical pages: per KV head, the chunk's
+    candidates (the sink page and chunk_budget - 1 random others), each block of queries
+    picking the sink and budget - 1 random candidates (attention/sparse.py's shape; the picks
+    of a trained model cluster more, which only changes how often each page is visited)."""
+    g = torch.Generator().manual_seed(0)
+    blocks = -(-c // BLOCK_QUERIES)
+    n_cand, keep = min(chunk_budget, n_pages), min(budget, n_pages, chunk_budget)
+    rows = []
+    for _ in range(HKV):
+        cand = torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_pages - 1, generator=g)[: n_cand - 1]])
+        for _ in range(blocks):
+            pick = torch.cat([cand[:1], cand[1 + torch.randperm(n_cand - 1, generator=g)[: keep - 1]]])
+            rows.append(pick.sort().values)
+    return torch.stack(rows).view(1, HKV, blocks, keep).int().to(device)
+
+
+def kernel_times(fn, runs: int = 3) -> dict:
+    """GPU milliseconds per kernel name for one call of fn (mean over `runs`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for e in prof.key_averages():
+        if e.device_time_total > 0:
+            totals[e.key[:60]] = totals.get(e.key[:60], 0.0) + e.device_time_total / 1e3 / runs
+    return {k: round(v, 3) for k, v in sorted(totals.items(), key=lambda x: -x[1])}
+
+
+def bench_paged(n_keys: int, c: int, outputs: bool = False, sparse: int = 0, chunk_budget: int = 256,
+                kernels: bool = False) -> dict:
     """Times of the paged forward and backward launchers; `outputs`: also their results (o, dq,
-    dk, dv of the chunk) on seeded inputs, for comparing configurations."""
+    dk, dv of the chunk) on seeded inputs, for comparing configurations; `sparse`: on an
+    engine-like selection of that budget; `kernels`: also each kernel's time."""
     from triton.testing import do_bench
 
     from oomb.attention.paged import _backward, _forward
@@ -53,6 +102,11 @@ def bench_paged(n_keys: int, c: int, outputs: bool = False) -> dict:
     dvp = torch.zeros_like(dkp)
     table = torch.randperm(n_pages, device=dev).int().view(1, n_pages)  # pages scattered in the pool
     pages = LayerPages(kp, vp, dkp, dvp, table)
+    keys_seen = n_keys
+    if sparse:
+        selection = engine_like_selection(n_pages, c, sparse, chunk_budget, dev)
+        pages = pages._replace(selection=selection, block_queries=BLOCK_QUERIES)
+        keys_seen = selection.shape[-1] * PAGE_SIZE
     do = torch.randn(1, H, c, D, device=dev, dtype=dt)
     scale = D ** -0.5
 
@@ -61,8 +115,13 @@ def bench_paged(n_keys: int, c: int, outputs: bool = False) -> dict:
     # Backward only: the launcher that autograd's backward calls, on the saved o and lse.
     bwd_ms = do_bench(lambda: _backward(do, q, k, v, o, lse, pages, scale), return_mode="median")
     # FLOPs: 2 matmuls of 2*M*N*D per head over the pages, half that (causal) over the chunk.
-    flops = 4 * c * n_keys * D * H + 2 * c * c * D * H
+    flops = 4 * c * keys_seen * D * H + 2 * c * c * D * H
     result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": flops}
+    if kernels:
+        def step():
+            o, lse = _forward(q, k, v, pages, scale)
+            _backward(do, q, k, v, o, lse, pages, scale)
+        result["kernels_ms"] = kernel_times(step)
     if outputs:
         result["outputs"] = [o, *_backward(do, q, k, v, o, lse, pages, scale)]
     return result
@@ -93,7 +152,7 @@ def main() -> int:
     from torch.nn.attention import SDPBackend
 
     info = run_info()
-    impls = [("paged", None)]
+    impls = [("paged" + (f"-sparse{args.sparse}" if args.sparse else ""), None)]
     if not args.no_sdpa:
         impls += [("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)]
     rows = []
@@ -103,12 +162,18 @@ def main() -> int:
             row = {"N": n_keys, "C": args.queries, "H": H, "Hkv": HKV, "D": D, "page_size": PAGE_SIZE,
                    "dtype": "bf16", "impl": name}
             try:
-                r = bench_paged(n_keys, args.queries) if backend is None else bench_sdpa(n_keys, args.queries, backend)
+                r = (bench_paged(n_keys, args.queries, sparse=args.sparse, chunk_budget=args.chunk_budget,
+                                 kernels=args.kernels)
+                     if backend is None else bench_sdpa(n_keys, args.queries, backend))
                 row.update(fwd_ms=round(r["fwd_ms"], 3), bwd_ms=round(r["bwd_ms"], 3),
                            fwd_tflops=round(r["flops"] / r["fwd_ms"] / 1e9, 1),
                            bwd_tflops=round(2.5 * r["flops"] / r["bwd_ms"] / 1e9, 1))  # bwd = 2.5x fwd FLOPs
                 if backend is None:
                     row["note"] = "includes the chunk's causal self part (2*C*C*D*H FLOPs counted)"
+                    if args.sparse:
+                        row.update(sparse_budget=args.sparse, chunk_budget=args.chunk_budget)
+                    if "kernels_ms" in r:
+                        row["kernels_ms"] = r["kernels_ms"]
             except Exception as ex:  # noqa: BLE001 - a missing SDPA backend is a result, not a crash
                 row["error"] = f"{type(ex).__name__}: {str(ex)[:160]}"
             row.update(info)
@@ -118,8 +183,8 @@ def main() -> int:
 
     print(f"\n{'N':>9} {'paged fwd':>10} {'best sdpa':>10} {'ratio':>6} | {'paged bwd':>10} {'best sdpa':>10} {'ratio':>6}  (TFLOP/s)")
     for n_keys in sorted({r["N"] for r in rows}):
-        paged = next((r for r in rows if r["N"] == n_keys and r["impl"] == "paged" and "error" not in r), None)
-        sdpa = [r for r in rows if r["N"] == n_keys and r["impl"] != "paged" and "error" not in r]
+        paged = next((r for r in rows if r["N"] == n_keys and r["impl"].startswith("paged") and "error" not in r), None)
+        sdpa = [r for r in rows if r["N"] == n_keys and r["impl"].startswith("sdpa") and "error" not in r]
         if paged is None:
             continue
         bf = max((r["fwd_tflops"] for r in sdpa), default=float("nan"))
