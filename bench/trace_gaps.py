@@ -2,8 +2,9 @@
 how busy each CUDA stream is, how long the compute stream sits idle and what the copy streams
 and the host were doing meanwhile: the idle time before each kernel (what the stream waited to
 start) and the host operations that overlapped the idle stretches (host-bound, or waiting on a
-copy). Traces are too big to bring back from the GPU machine, so this runs there and prints a
-summary of a few KiB.
+copy); and the GPU time by the host operation that launched it (which op's kernels grow when
+two profiles differ). Traces are too big to bring back from the GPU machine, so this runs
+there and prints a summary of a few KiB.
 
     python bench/bench_step.py --impls oomb-sparse-all --lengths 64K --kv-grad-dtype bf16 --profile /tmp/prof
     python bench/trace_gaps.py /tmp/prof
@@ -63,6 +64,41 @@ def _top(totals: dict[str, float], top: int, ms: float) -> list[tuple[str, float
     return sorted(((n, t * ms) for n, t in totals.items()), key=lambda x: -x[1])[:top]
 
 
+def gpu_time_by_op(events: list[dict], top: int = 8) -> list[tuple[str, float]]:
+    """GPU milliseconds by the host operation that launched them: each kernel, memcpy or
+    memset is matched to its launch call (the `correlation` id), and that to the innermost
+    operator around the call on its thread, named with its parent ("parent > op") so that,
+    say, the copies inside an autograd node's backward stay apart from the forward's."""
+    gpu = [e for e in events if e.get("cat") in GPU_CATS and "correlation" in e.get("args", {})]
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    ops_by_tid: dict = defaultdict(list)
+    for e in events:
+        if e.get("cat") in ("cpu_op", "user_annotation") and not e["name"].startswith("ProfilerStep"):
+            ops_by_tid[e.get("tid")].append(e)
+    launched_by: dict[int, str] = {}
+    for tid, ops in ops_by_tid.items():
+        calls = sorted((e["ts"], e["args"]["correlation"]) for e in launches.values() if e.get("tid") == tid)
+        ops.sort(key=lambda e: (e["ts"], -e["dur"]))
+        stack: list[dict] = []
+        i = 0
+        for ts, corr in calls:  # a sweep: the operators open at each call, innermost last
+            while i < len(ops) and ops[i]["ts"] <= ts:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < ops[i]["ts"]:
+                    stack.pop()
+                stack.append(ops[i])
+                i += 1
+            while stack and stack[-1]["ts"] + stack[-1]["dur"] < ts:
+                stack.pop()
+            if stack:
+                names = [e["name"] for e in stack[-2:]]
+                launched_by[corr] = " > ".join(names)
+    totals: dict[str, float] = defaultdict(float)
+    for e in gpu:
+        totals[launched_by.get(e["args"]["correlation"], "?")] += e["dur"]
+    return _top(totals, top, 1e-3)
+
+
 def summarize(events: list[dict], top: int = 8) -> dict:
     by_stream: dict[int, list[tuple[float, float]]] = defaultdict(list)
     names: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
@@ -113,6 +149,7 @@ def summarize(events: list[dict], top: int = 8) -> dict:
         "idle_before_ms": _top(before, top, ms),
         "host_during_idle_ms": _top(host_in_gaps, top, ms),
         "host_waits_ms": {n: t * ms for n, t in sorted(host_waits.items(), key=lambda x: -x[1])},
+        "gpu_by_op_ms": gpu_time_by_op(events, top),
     }
 
 
@@ -135,6 +172,9 @@ def main() -> None:
         print(f"\nstream {stream}: busy {st['busy_ms']:.1f} ms ({st['busy_frac']:.0%})")
         for name, t in st["top"]:
             print(f"  {t:10.1f} ms  {name[:100]}")
+    print("\nGPU time by the host operation that launched it (ms, all streams; 'parent > op'):")
+    for name, t in s["gpu_by_op_ms"]:
+        print(f"  {t:10.1f} ms  {name[:140]}")
     print("\nhost waits (ms):", json.dumps({n: round(t, 1) for n, t in s["host_waits_ms"].items()}))
 
 

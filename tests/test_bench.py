@@ -98,6 +98,32 @@ def test_trace_gaps_summary(tmp_path):
     assert "compute stream 7 idle 0.0 ms" in out and "copy_rows" in out and "idle before these kernels" in out
 
 
+def test_trace_gaps_gpu_time_by_launching_op():
+    """Kernels are charged to the innermost operator around their launch call (with its parent),
+    matched by correlation id, per thread; a launch outside any operator is '?'."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from trace_gaps import gpu_time_by_op
+
+    def ev(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "tid": tid, "args": args}
+    events = [
+        ev("cpu_op", "MulBackward0", 0, 100), ev("cpu_op", "aten::mul", 10, 20), ev("cpu_op", "aten::copy_", 50, 20),
+        ev("cuda_runtime", "cudaLaunchKernel", 15, 2, correlation=1),
+        ev("cuda_runtime", "cudaLaunchKernel", 55, 2, correlation=2),
+        ev("cuda_runtime", "cudaMemsetAsync", 80, 2, correlation=3),  # in MulBackward0, after both ops
+        ev("cpu_op", "aten::zeros", 0, 10, tid=2), ev("cuda_runtime", "cudaMemsetAsync", 5, 1, tid=2, correlation=4),
+        ev("cuda_runtime", "cudaLaunchKernel", 200, 1, correlation=5),
+        ev("kernel", "mul_kernel", 20, 4000, stream=7, correlation=1),
+        ev("kernel", "copy_kernel", 60, 3000, stream=7, correlation=2),
+        ev("gpu_memset", "Memset (Device)", 90, 2000, stream=7, correlation=3),
+        ev("gpu_memset", "Memset (Device)", 10, 1000, stream=7, correlation=4),
+        ev("kernel", "stray", 300, 500, stream=7, correlation=5),
+    ]
+    assert dict(gpu_time_by_op(events)) == {
+        "MulBackward0 > aten::mul": 4.0, "MulBackward0 > aten::copy_": 3.0, "MulBackward0": 2.0,
+        "aten::zeros": 1.0, "?": 0.5}
+
+
 def test_grad_add_smoke(tmp_path):
     out = tmp_path / "add.jsonl"
     subprocess.run([sys.executable, os.path.join(ROOT, "bench", "grad_add.py"), "--device", "cpu", "--sizes", "64K",
