@@ -317,6 +317,8 @@ def test_param_grad_dtype_sums_bf16_chunk_gradients_in_fp32():
     engine.forward_backward(ids)  # onto the bf16-summed .grad of the last loop step
     for n, p in model.named_parameters():
         assert rel_err(p.grad, grads["bf16"][n] + grads["fp32"][n]) <= 2 ** -7, n
+    with pytest.raises(ValueError, match="fused_weight_grads=True sums in the weights' dtype or in fp32"):
+        oomb.ChunkRecurrentEngine(model, param_grad_dtype=torch.float64, fused_weight_grads=True)
     with pytest.raises(ValueError, match="param_grad_dtype=torch.bfloat16 must be None"):
         oomb.ChunkRecurrentEngine(model, param_grad_dtype=torch.bfloat16)
 

@@ -73,6 +73,9 @@ class ChunkRecurrentEngine:
                                                  and torch.finfo(param_grad_dtype).bits >= 32):
             raise ValueError(f"param_grad_dtype={param_grad_dtype} must be None (each parameter's own dtype) "
                              "or a float of 32 bits or more (torch.float32)")
+        if fused_weight_grads and param_grad_dtype not in (None, torch.float32):
+            raise ValueError(f"fused_weight_grads=True sums in the weights' dtype or in fp32 (the GEMM's output), "
+                             f"not param_grad_dtype={param_grad_dtype}; use torch.float32 or None")
         if keep_attention and offload != "none":
             raise ValueError(f"keep_attention=True with offload={offload!r}: the kept attention outputs live on the "
                              "GPU beside the pages; use offload='none', or keep_attention=False")
