@@ -75,10 +75,12 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
         if backward:
             grad_h[:, s : s + step] = x.grad
         total += ce.detach()
-    if kept is not None and weight_sum is not None:
-        add_product(weight_sum, kept[0].flatten(0, 1).t(), kept[1].flatten(0, 1))
-    elif kept is not None:  # into .grad through autograd (its hooks run: the engine's fp32 sums)
-        weight.backward(kept[0].flatten(0, 1).t() @ kept[1].flatten(0, 1))
+    if kept is not None:
+        dlogits, inputs = (x.flatten(0, 1) for x in kept)
+        if weight_sum is not None:
+            add_product(weight_sum, dlogits.t(), inputs)
+        else:  # into .grad through autograd (its hooks run: the engine's fp32 sums)
+            weight.backward(dlogits.t() @ inputs)
     return total, grad_h
 
 
