@@ -14,7 +14,8 @@ bitwise deterministic run to run):
   preprocess    (query tile, b * H)     delta = rowsum(O * dO)
   dK/dV pages   (page key tile, b*Hkv)  loop: the query tiles of the G heads of the group;
                                          read-modify-write into pages.dk / pages.dv (fp32)
-  dK/dV own     (key tile, b * Hkv)     loop: the query tiles at or after the key tile (causal)
+  dK/dV own     (b * H, key tile)       loop: the query tiles at or after the key tile (causal)
+                                         of one query head; its share, summed per group after
   dQ            (query tile, b * H)     loop: page key tiles, then own keys (causal)
 
 Tricks, stated where they happen: exp2 with 1/ln 2 folded into the softmax scale; only the
@@ -369,16 +370,21 @@ def _paged_attn_bwd_dkdv_own(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV outputs (same strides)
-    C, qk_scale, scale, H, HKV, window,
+    C, qk_scale, scale, H, window,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    """One program per (key tile of the chunk, b, KV head); loops over the query tiles that can
-    see the key tile (those at or after it) of the G heads of the group."""
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bkv = tl.program_id(1)
-    off_b = (off_bkv // HKV).to(tl.int64)
-    off_kvh = (off_bkv % HKV).to(tl.int64)
+    """One program per (b, query head, key tile of the chunk): the query head's share of the key
+    tile's dK/dV, from the query tiles that can see it (those at or after it), into DK/DV
+    (B, H, C, D); the caller sums a group's shares. Causal work shrinks with the key tile, so
+    the key tile is the slower grid axis: the longest programs start first, and one program per
+    query head (not per KV head, looping over its group) keeps the longest one short: one
+    program per KV head ran 128 programs on 132 SMs at the 7B shape, the first 32x the last."""
+    off_bh = tl.program_id(0)
+    start_n = tl.program_id(1) * BLOCK_N
+    off_b = (off_bh // H).to(tl.int64)
+    off_h = (off_bh % H).to(tl.int64)
+    off_kvh = off_h // GROUP
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -391,32 +397,29 @@ def _paged_attn_bwd_dkdv_own(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    for g in range(GROUP):
-        off_h = off_kvh * GROUP + g
-        off_bh = off_b * H + off_h
-        q_head = Q + off_b * stride_qb + off_h * stride_qh
-        do_head = DO + off_b * stride_dob + off_h * stride_doh
-        lse_head = LSE + off_bh * C
-        delta_head = Delta + off_bh * C
-        # Diagonal: query tiles overlapping the key tile (BLOCK_N % BLOCK_M == 0), masked.
-        for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, C), BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                    C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
-        # Later query tiles see the whole key tile: no mask (but the window's, which also ends
-        # the loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
-        q_hi = C
-        if WINDOWED:
-            q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
-        for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                    offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                    C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
+    q_head = Q + off_b * stride_qb + off_h * stride_qh
+    do_head = DO + off_b * stride_dob + off_h * stride_doh
+    lse_head = LSE + (off_b * H + off_h) * C
+    delta_head = Delta + (off_b * H + off_h) * C
+    # Diagonal: query tiles overlapping the key tile (BLOCK_N % BLOCK_M == 0), masked.
+    for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, C), BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
+    # Later query tiles see the whole key tile: no mask (but the window's, which also ends the
+    # loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
+    q_hi = C
+    if WINDOWED:
+        q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
+    for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
 
     dk *= scale
-    out_offs = off_b * stride_dkb + off_kvh * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
+    out_offs = off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
     tl.store(DK + out_offs, dk.to(DK.dtype.element_ty), mask=mask_nd)
     tl.store(DV + out_offs, dv.to(DV.dtype.element_ty), mask=mask_nd)
 
@@ -699,16 +702,21 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
     dk = dv = None
     if include_self:
-        dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, C, D)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-        _paged_attn_bwd_dkdv_own[(triton.cdiv(c, cfg["BLOCK_N1"]), b * n_kv)](
+        # Each query head's share (fp32 when a group's shares are summed), then the group's sum.
+        share = torch.float32 if group > 1 else k.dtype
+        dk = torch.empty((b, h, c, d), dtype=share, device=k.device)
+        dv = torch.empty((b, h, c, d), dtype=share, device=v.device)
+        _paged_attn_bwd_dkdv_own[(b * h, triton.cdiv(c, cfg["BLOCK_N1"]))](
             q, do, lse, delta, k, v, dk, dv,
             *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(),
-            c, scale * RCP_LN2, scale, h, n_kv, pages.window,
+            c, scale * RCP_LN2, scale, h, pages.window,
             GROUP=group, D=d, HEAD_DIM=head_dim,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, WINDOWED=pages.window > 0,
             **launch,
         )
+        if group > 1:
+            dk = dk.view(b, n_kv, group, c, d).sum(2).to(k.dtype)
+            dv = dv.view(b, n_kv, group, c, d).sum(2).to(v.dtype)
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
