@@ -169,6 +169,32 @@ def test_matches_reference(case, dtype):
     run_case(*case, dtype, "cpu")
 
 
+@pytest.mark.parametrize("case", [c for c in CASES if c[4] in (16, 32) and c[6] > 0],
+                         ids=lambda c: "B{}H{}kv{}C{}D{}P{}n{}".format(*c))
+def test_pointer_forward_matches_reference(case, monkeypatch):
+    """OOMB_TMA=0: the forward's page tiles through pointers, where 16-bit pools of a power-of-two
+    head_dim otherwise go through tensor descriptors (the other cases here)."""
+    monkeypatch.setattr(paged, "TMA", False)
+    run_case(*case, torch.float16, "cpu")
+
+
+def test_pointer_sparse_forward_matches_reference(monkeypatch):
+    monkeypatch.setattr(paged, "TMA", False)
+    sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
+
+
+def test_tensor_descriptors_where_they_apply(monkeypatch):
+    """The forward takes the descriptor path (the default, above) for 16-bit pools of a
+    power-of-two head_dim, and pointers for fp32 pools, other head_dims and OOMB_TMA=0."""
+    def tma(dtype, d, on=True):
+        monkeypatch.setattr(paged, "TMA", on)
+        q, k, v, kp, vp, *_ = make_case(1, 4, 2, 8, d, 16, 2, dtype)
+        return paged._tma_pools(q, LayerPages(kp, vp, None, None, k.new_zeros(1, 2, dtype=torch.int32)), d)
+
+    assert tma(torch.float16, 32) and tma(torch.bfloat16, 128)
+    assert not tma(torch.float32, 32) and not tma(torch.float16, 24) and not tma(torch.float16, 32, on=False)
+
+
 def random_selection(b, n_kv, blocks, k, n_logical, seed=1):
     """(B, Hkv, n_blocks, k) int32 ascending logical pages; page 0 in every row (a sink, chosen
     by all blocks: the longest dK/dV program), the others random and distinct."""

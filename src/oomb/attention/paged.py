@@ -26,16 +26,21 @@ through in PAGE_SIZE // BLOCK_N tiles).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..memory.spec import LayerPages
 
 LN2 = math.log(2.0)
 RCP_LN2 = 1.0 / LN2
 MAX_HEAD_DIM = 256
+# The forward loads page tiles through tensor descriptors where it can (_tma_pools): +10 % forward
+# TFLOP/s on the H200 (docs/benchmarks.md). OOMB_TMA=0 turns it off.
+TMA = os.environ.get("OOMB_TMA", "1") != "0"
 
 
 # ----------------------------------------------------------------------------------------
@@ -82,12 +87,14 @@ def _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, wi
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
     """The t-th page key tile a query tile visits: the offset of its first key in the K/V
     pools, and which (query, key) pairs a sliding window lets through (key positions relative
-    to the chunk's start: negative for earlier pages)."""
+    to the chunk's start: negative for earlier pages); also its slot and first key in the page
+    (the coordinates of a tensor-descriptor load)."""
     tiles_per_page = PAGE_SIZE // BLOCK_N
     slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
-    base = slot * stride_ps + off_kvh * stride_ph + ((t % tiles_per_page) * BLOCK_N) * stride_pn
-    kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n
-    return base, kpos[None, :] > offs_m[:, None] - window
+    n0 = (t % tiles_per_page) * BLOCK_N
+    base = slot * stride_ps + off_kvh * stride_ph + n0 * stride_pn
+    kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + n0 + offs_n
+    return base, kpos[None, :] > offs_m[:, None] - window, slot, n0
 
 
 @triton.jit
@@ -102,10 +109,9 @@ def _diagonal_visible(cols, offs_m, C, window, WINDOWED: tl.constexpr):
 
 
 @triton.jit
-def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
-                    MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
-    """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N)."""
-    kT = tl.load(kT_ptrs, mask=kT_mask, other=0.0)
+def _attn_fwd_tile(acc, l_i, m_i, q, kT, v, visible, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N); v
+    (BLOCK_N, HEAD_DIM)."""
     # Scores in log2 units: qk_scale = scale / ln 2, so exp2(qk - m) = exp(scale * q.k - m').
     qk = tl.dot(q, kT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
     if MASK:  # diagonal tiles only
@@ -114,9 +120,17 @@ def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible,
     p = tl.math.exp2(qk - m_ij[:, None])
     alpha = tl.math.exp2(m_i - m_ij)
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_ptrs, mask=v_mask, other=0.0)  # (BLOCK_N, HEAD_DIM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=IN_PRECISION)
     return acc, l_i, m_ij
+
+
+@triton.jit
+def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
+                    MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """_attn_fwd_tile of the key tile at kT_ptrs / v_ptrs."""
+    kT = tl.load(kT_ptrs, mask=kT_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
+    return _attn_fwd_tile(acc, l_i, m_i, q, kT, v, visible, qk_scale, MASK, IN_PRECISION)
 
 
 @triton.jit
@@ -131,8 +145,10 @@ def _paged_attn_fwd(
     C, n_pages, qk_scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr,
 ):
+    """TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)), so
+    page tiles load through the copy engine; else pointers."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -161,12 +177,20 @@ def _paged_attn_fwd(
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
     for t in range(t_lo, t_hi):
-        base, in_window = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
-                                     stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, SPARSE)
-        kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
-        acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
-                                        qk_scale, WINDOWED, IN_PRECISION)
+        base, in_window, slot, n0 = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0,
+                                               window, stride_tb, stride_tp, stride_ps, stride_ph, stride_pn,
+                                               PAGE_SIZE, BLOCK_N, SPARSE)
+        if TMA:
+            coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
+            k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+            v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+            acc, l_i, m_i = _attn_fwd_tile(acc, l_i, m_i, q, tl.trans(k), v, in_window, qk_scale, WINDOWED,
+                                           IN_PRECISION)
+        else:
+            kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+            v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
+                                            qk_scale, WINDOWED, IN_PRECISION)
 
     # The chunk's own keys ride with the first group of pages only (attention/function.py).
     if INCLUDE_SELF:
@@ -465,8 +489,9 @@ def _paged_attn_bwd_dq(
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
     for t in range(t_lo, t_hi):
-        base, in_window = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
-                                     stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, SPARSE)
+        base, in_window, _, _ = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
+                                           stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE,
+                                           BLOCK_N, SPARSE)
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
@@ -643,15 +668,34 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h)
     sp = _sparse_args(pages, c)
     _check_blocks(sp, cfg["BLOCK_M"])
+    kp, vp, tma = pages.k, pages.v, _tma_pools(q, pages, d)
+    if tma:
+        kp, vp = (TensorDescriptor.from_tensor(x, [1, 1, block_n, d]) for x in (pages.k, pages.v))
     _paged_attn_fwd[grid](
-        q, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], o, lse,
+        q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
         c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], *_window_args(pages),
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
-        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, num_warps=cfg["num_warps"],
+        num_stages=cfg["num_stages"],
     )
     return o, lse
+
+
+def _tma_pools(q: torch.Tensor, pages: LayerPages, d: int) -> bool:
+    """Whether the forward reads page tiles through tensor descriptors (the copy engine): not
+    turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or the interpreter), 16-bit
+    pools, a power-of-two head_dim and 16-byte aligned pool strides."""
+    if not TMA or pages.n_pages == 0:
+        return False
+    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    item = pages.k.element_size()
+    return (pages.k.dtype in (torch.float16, torch.bfloat16) and d == _head_dim_block(d)
+            and pages.k.stride() == pages.v.stride() and pages.k.stride(-1) == 1
+            and all(st * item % 16 == 0 for st in pages.k.stride()[:-1])
+            and all(x.data_ptr() % 16 == 0 for x in (pages.k, pages.v)))
 
 
 def _window_args(pages: LayerPages) -> tuple[int, int]:
