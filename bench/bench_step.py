@@ -64,7 +64,7 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
             compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: bool = False,
-            page_budget_gib: float | None = None, fused_weight_grads: bool = False):
+            page_budget_gib: float | None = None):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
@@ -79,7 +79,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
                                            param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None,
-                                           keep_attention=keep_attention, fused_weight_grads=fused_weight_grads,
+                                           keep_attention=keep_attention,
                                            gpu_page_budget_bytes=None if page_budget_gib is None
                                            else int(page_budget_gib * 2**30))
         step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
@@ -115,7 +115,7 @@ def worker(args) -> None:
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
                             compile_layers, args.param_grad_dtype, args.keep_attention and args.impl in OOMB_OFFLOAD,
-                            args.page_budget_gib, args.fused_weight_grads and args.impl in OOMB_OFFLOAD)
+                            args.page_budget_gib)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -137,7 +137,6 @@ def worker(args) -> None:
                "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
-               "fused_weight_grads": args.fused_weight_grads and args.impl in OOMB_OFFLOAD,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
@@ -193,8 +192,6 @@ def main() -> None:
                     help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
-    ap.add_argument("--fused-weight-grads", action="store_true",
-                    help="oomb: each Linear's GEMM adds its chunk gradient into the weight's sum (fused_weight_grads)")
     ap.add_argument("--page-budget-gib", type=float, default=None,
                     help="oomb 'auto': GPU bytes for pages (default: what is free); fewer puts more layers on the host")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
@@ -224,8 +221,6 @@ def main() -> None:
             cmd.append("--oomb-compile")
         if args.keep_attention:
             cmd.append("--keep-attention")
-        if args.fused_weight_grads:
-            cmd.append("--fused-weight-grads")
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         if args.page_budget_gib is not None:

@@ -29,7 +29,6 @@ from .memory.offload import available_host_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
 from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan
-from .weight_grads import WeightGradSums
 
 OFFLOAD_MODES = ("none", "all", "auto")
 
@@ -52,8 +51,7 @@ class ChunkRecurrentEngine:
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
                  reserved_gpu_bytes: int = 0, compile_layers: bool = False,
-                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False,
-                 fused_weight_grads: bool = False) -> None:
+                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -73,9 +71,6 @@ class ChunkRecurrentEngine:
                                                  and torch.finfo(param_grad_dtype).bits >= 32):
             raise ValueError(f"param_grad_dtype={param_grad_dtype} must be None (each parameter's own dtype) "
                              "or a float of 32 bits or more (torch.float32)")
-        if fused_weight_grads and param_grad_dtype not in (None, torch.float32):
-            raise ValueError(f"fused_weight_grads=True sums in the weights' dtype or in fp32 (the GEMM's output), "
-                             f"not param_grad_dtype={param_grad_dtype}; use torch.float32 or None")
         if keep_attention and offload != "none":
             raise ValueError(f"keep_attention=True with offload={offload!r}: the kept attention outputs live on the "
                              "GPU beside the pages; use offload='none', or keep_attention=False")
@@ -97,10 +92,6 @@ class ChunkRecurrentEngine:
         self.adapter = adapter_for(model)
         if compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
             self.adapter.compile()
-        # Linear weights' chunk gradients added into their sums by the GEMM itself (weight_grads.py).
-        self._weight_sums = WeightGradSums.of(self.adapter.layers, [self.adapter.lm_head],
-                                              [self.adapter.embed_tokens.weight],
-                                              param_grad_dtype) if fused_weight_grads else None
         self.chunk_size = chunk_size
         self.page_size = page_size
         self.offload = offload
@@ -149,8 +140,6 @@ class ChunkRecurrentEngine:
         rng_states = []
         lead = _HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
-        if self._weight_sums is not None:
-            self._weight_sums.begin()
         sums = _GradSums(self.summed_params(), self.param_grad_dtype)
         try:
             with torch.no_grad():
@@ -177,8 +166,6 @@ class ChunkRecurrentEngine:
                 passes.done()
         finally:
             sums.close()
-            if self._weight_sums is not None:
-                self._weight_sums.close()
             self._kept.clear()
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
@@ -188,13 +175,8 @@ class ChunkRecurrentEngine:
         wide = self.param_grad_dtype
         if wide is None:
             return []
-        fused = set(self._fused_params())
         return [p for p in self.model.parameters()
-                if p.requires_grad and torch.finfo(p.dtype).bits < torch.finfo(wide).bits and p not in fused]
-
-    def _fused_params(self) -> list[nn.Parameter]:
-        """The weights whose sums the GEMMs add into (fused_weight_grads): persistent buffers."""
-        return [] if self._weight_sums is None else self._weight_sums.params()
+                if p.requires_grad and torch.finfo(p.dtype).bits < torch.finfo(wide).bits]
 
     def reserve(self, batch: int, seq_len: int) -> None:
         """Allocate the page pool (and pinned host arena) for steps up to (batch, seq_len) now,
@@ -281,8 +263,7 @@ class ChunkRecurrentEngine:
                 # group of pages (and their dK/dV) then, behind the MLP's backward.
                 h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
             step = slice_tokens(a.vocab_size, ids.shape[0])
-            weight_sum = None if self._weight_sums is None else self._weight_sums.acc.get(a.lm_head.weight)
-            ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator, weight_sum)
+            ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)
         return ce_sum
 
@@ -317,8 +298,6 @@ class ChunkRecurrentEngine:
 
     def _begin_step(self, batch: int, max_pages: int, training: bool = True) -> None:
         self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
-        if training and self._weight_sums is not None:
-            self._weight_sums.allocate()  # before the free memory is measured
         layer_bytes = batch * max_pages * self.store.layer_page_bytes  # one full layer's pages for the step
         # Windowed layers' few pages always stay on the device; full layers may go to the host.
         full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
@@ -374,9 +353,8 @@ class ChunkRecurrentEngine:
                            checkpoint_layers=self.checkpoint_layers,
                            n_params=sum(p.numel() for p in self.model.parameters())).working_set
         summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
-        allocated = set(self._fused_params())  # their sums exist already
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
-                    if p.requires_grad and p.grad is None and p not in summed and p not in allocated)
+                    if p.requires_grad and p.grad is None and p not in summed)
         grads += sum(p.numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
         later = grads + self.reserved_gpu_bytes
         return self._free_gpu_bytes() + reusable - working_set - later - GPU_MARGIN_BYTES

@@ -11,8 +11,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .weight_grads import add_product
-
 IGNORE_INDEX = -100
 #: fp32 logits of one slice stay under this many bytes (vocab 152K -> 441 tokens a slice)
 SLICE_LOGIT_BYTES = 256 * 2**20
@@ -32,8 +30,7 @@ def shifted_targets(labels: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor, step: int,
-              denominator: int | None = None,
-              weight_sum: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              denominator: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross entropy over a chunk's targets, `step` tokens per sequence at a time.
 
     h: (B, C, hidden) final hidden states of the chunk, before the final norm, outside any
@@ -42,8 +39,7 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
     of logits ever exists) and dL/dh (B, C, hidden) is returned beside the sum. A trainable head
     (a plain nn.Linear) gets its weight gradient from one GEMM over the chunk, from each slice's
     logit gradient kept in the weight's dtype (B x C x vocab of it): per slice, a (vocab, hidden)
-    gradient would be written and added into .grad once a slice. With `weight_sum` (the engine's
-    fused_weight_grads) that GEMM adds into it instead.
+    gradient would be written and added into .grad once a slice.
     Returns (sum of CE as a detached fp32 scalar, dL/dh or None).
     """
     backward = denominator is not None
@@ -75,12 +71,8 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
         if backward:
             grad_h[:, s : s + step] = x.grad
         total += ce.detach()
-    if kept is not None:
-        dlogits, inputs = (x.flatten(0, 1) for x in kept)
-        if weight_sum is not None:
-            add_product(weight_sum, dlogits.t(), inputs)
-        else:  # into .grad through autograd (its hooks run: the engine's fp32 sums)
-            weight.backward(dlogits.t() @ inputs)
+    if kept is not None:  # into .grad through autograd (its hooks run: the engine's fp32 sums)
+        weight.backward(kept[0].flatten(0, 1).t() @ kept[1].flatten(0, 1))
     return total, grad_h
 
 
