@@ -45,7 +45,7 @@ def _label(r: dict) -> str:
             + (" +compile" if r.get("compile") else "")
             + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
             + (" keep-attn" if r.get("keep_attention") else "")
-            + (" fused-wgrad" if r.get("fused_weight_grads") else "")
+            + (" fused-wgrad" if r.get("fused_weight_grads") else "")  # session 8, removed
             + (f" {r['host_layers']}-host-layers" if r.get("page_budget_gib") is not None else ""))
 
 
