@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import profiled, record, run_info  # noqa: E402
+from common import PassClock, profiled, record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
 
@@ -144,7 +144,13 @@ def worker(args) -> None:
         try:
             window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
             with profiled(profile, args.profile, args.impl, window or None) as prof:
-                loss = float(step(ids, progress=(lambda done, total: prof.step()) if window else None))
+                clock = PassClock(cuda)
+
+                def progress(done: int, total: int) -> None:
+                    clock(done, total)
+                    if window:
+                        prof.step()
+                loss = float(step(ids, progress=progress))
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -158,6 +164,7 @@ def worker(args) -> None:
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
             if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
                 row["host_layers"] = step.host_layers()
+                row.update(clock.summary())
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
         if profile and row["ok"]:

@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import subprocess
+import time
 
 import torch
 
@@ -27,6 +28,46 @@ def run_info() -> dict:
     return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+class PassClock:
+    """When each chunk pass of an oomb step ends: a CUDA event recorded on the compute stream as
+    the host queues the pass (the engine's progress callback: no sync), or the host clock on
+    the CPU. summary() then splits the step into stage 1 and stage 2 and shows, per stage, how a
+    chunk's time depends on its position (quarters of the sequence): where a long step's
+    extra time goes, without a profiler."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda, self.marks = cuda, []
+        self._mark()
+
+    def _mark(self) -> None:
+        if self.cuda:
+            self.marks.append(torch.cuda.Event(enable_timing=True))
+            self.marks[-1].record()
+        else:
+            self.marks.append(time.perf_counter())
+
+    def __call__(self, done: int, total: int) -> None:
+        self._mark()
+
+    def summary(self) -> dict:
+        """After the step (synchronised): stage1_s, stage2_s, and each stage's mean ms per chunk
+        over the sequence's quarters, by chunk position (stage 2 runs them last to first)."""
+        if self.cuda:
+            ms = [a.elapsed_time(b) for a, b in zip(self.marks, self.marks[1:])]
+        else:
+            ms = [1e3 * (b - a) for a, b in zip(self.marks, self.marks[1:])]
+        n = (len(ms) + 1) // 2  # chunks: stage 1 passes chunks 0 .. n - 2, stage 2 n - 1 .. 0
+        stage1, stage2 = ms[: n - 1], ms[n - 1:][::-1]
+
+        def quarters(x: list[float]) -> list[float]:
+            k = len(x)
+            return [round(sum(x[i * k // 4:(i + 1) * k // 4]) / max(1, (i + 1) * k // 4 - i * k // 4), 1)
+                    for i in range(4)] if k >= 4 else [round(v, 1) for v in x]
+
+        return {"stage1_s": round(sum(stage1) / 1e3, 2), "stage2_s": round(sum(stage2) / 1e3, 2),
+                "stage1_chunk_ms": quarters(stage1), "stage2_chunk_ms": quarters(stage2)}
 
 
 def record(path: str, row: dict) -> None:

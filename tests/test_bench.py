@@ -27,6 +27,13 @@ def test_bench_step_smoke(tmp_path):
             losses[r["seq_len"]].add(r["loss"])
     assert all(len(v) == 1 for v in losses.values()), losses
     assert rows[0]["kv_grad_dtype"] == "bf16" and rows[0]["checkpoint_layers"] is True
+    # the pass clock splits an oomb step into its stages: chunks 0 .. n-2 in stage 1, all n in stage 2
+    for r in rows[:4]:
+        chunks = r["seq_len"] // 256
+        assert len(r["stage1_chunk_ms"]) == chunks - 1 and len(r["stage2_chunk_ms"]) == chunks, r
+        assert 0.5 * r["step_s"] <= r["stage1_s"] + r["stage2_s"] <= 1.01 * r["step_s"], r
+        assert abs(sum(r["stage2_chunk_ms"]) / 1e3 - r["stage2_s"]) <= 0.01 + 0.01 * r["stage2_s"], r
+    assert "stage1_s" not in rows[4]
 
 
 def test_bench_step_profiles_a_window_of_passes(tmp_path):
