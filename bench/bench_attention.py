@@ -45,21 +45,21 @@ def parse_args():
 BLOCK_QUERIES = 128
 
 
-def engine_like_selection(n_pages: int, c: int, budget: int, chunk_budget: int, device) -> torch.Tensor:
-    """(1, Hkv, n_blocks, budget) int32 ascending logical pages: per KV head, the chunk's
-    candidates (the sink page and chunk_budget - 1 random others), each block of queries
-    picking the sink and budget - 1 random candidates (attention/sparse.py's shape; the picks
-    of a trained model cluster more, which only changes how often each page is visited)."""
+def engine_like_selection(n_pages: int, c: int, budget: int, chunk_budget: int, device):
+    """(candidates (n_cand,) logical pages ascending, picks (1, Hkv, n_blocks, budget) ascending
+    indices into them), as attention/sparse.py's Selection: the chunk's candidates (the sink page
+    and chunk_budget - 1 random others, shared by the KV heads), each block of queries picking
+    the sink and budget - 1 random candidates per KV head. The engine's table holds the
+    candidates only, so the kernels' grids do not grow with the context; the picks of a trained
+    model cluster more, which only changes how often each page is visited."""
     g = torch.Generator().manual_seed(0)
     blocks = -(-c // BLOCK_QUERIES)
     n_cand, keep = min(chunk_budget, n_pages), min(budget, n_pages, chunk_budget)
-    rows = []
-    for _ in range(HKV):
-        cand = torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_pages - 1, generator=g)[: n_cand - 1]])
-        for _ in range(blocks):
-            pick = torch.cat([cand[:1], cand[1 + torch.randperm(n_cand - 1, generator=g)[: keep - 1]]])
-            rows.append(pick.sort().values)
-    return torch.stack(rows).view(1, HKV, blocks, keep).int().to(device)
+    cand = torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_pages - 1, generator=g)[: n_cand - 1]])
+    rows = [torch.cat([torch.zeros(1, dtype=torch.long), 1 + torch.randperm(n_cand - 1, generator=g)[: keep - 1]])
+            .sort().values for _ in range(HKV * blocks)]
+    small = torch.uint8 if n_cand <= 256 else torch.int16 if n_cand <= 2**15 else torch.int32
+    return cand.sort().values.to(device), torch.stack(rows).view(1, HKV, blocks, keep).to(small).to(device)
 
 
 def kernel_times(fn, runs: int = 3) -> dict:
@@ -104,8 +104,8 @@ def bench_paged(n_keys: int, c: int, outputs: bool = False, sparse: int = 0, chu
     pages = LayerPages(kp, vp, dkp, dvp, table)
     keys_seen = n_keys
     if sparse:
-        selection = engine_like_selection(n_pages, c, sparse, chunk_budget, dev)
-        pages = pages._replace(selection=selection, block_queries=BLOCK_QUERIES)
+        candidates, selection = engine_like_selection(n_pages, c, sparse, chunk_budget, dev)
+        pages = pages._replace(table=table[:, candidates], selection=selection, block_queries=BLOCK_QUERIES)
         keys_seen = selection.shape[-1] * PAGE_SIZE
     do = torch.randn(1, H, c, D, device=dev, dtype=dt)
     scale = D ** -0.5

@@ -149,3 +149,16 @@ def test_grad_sums_orders_the_summations():
     torch.manual_seed(0)
     e = errors(64, 20_000, 0.0)
     assert e["fp32"] < 2 * e["exact, rounded once"] and e["bf16"] > 3 * e["fp32"], e
+
+
+def test_engine_like_selection_indexes_the_candidates():
+    """bench_attention.py --sparse: the chunk's candidates (what the engine's table holds, shared
+    by the KV heads), each block's picks ascending indices into them with the sink first."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_attention import HKV, engine_like_selection
+
+    cand, picks = engine_like_selection(8192, 4096, 64, 256, "cpu")
+    assert cand.shape == (256,) and cand[0] == 0 and (cand.diff() > 0).all() and cand.max() < 8192
+    assert picks.shape == (1, HKV, 32, 64) and picks.dtype == torch.uint8
+    p = picks.long()
+    assert (p[..., 0] == 0).all() and (p.diff(dim=-1) > 0).all() and p.max() < 256
