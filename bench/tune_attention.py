@@ -3,6 +3,10 @@ heads, head_dim 128, bf16, 64K earlier keys) and print them fastest first, each 
 the current configuration's output. Feeds `_fwd_config` / `_bwd_config` in attention/paged.py.
 
     python bench/tune_attention.py --keys 65536 --out $OUT/tune.jsonl
+    python bench/tune_attention.py --kinds fwd --sparse 64 --keys 1048576   # the sparse 1M shape
+
+Each row records whether the forward's page tiles went through tensor descriptors (`tma`:
+OOMB_TMA, on by default on Hopper), which changes what the best pipeline depth is.
 """
 from __future__ import annotations
 
@@ -29,22 +33,29 @@ BWD = [dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=w, num
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=65536)
+    ap.add_argument("--kinds", default="fwd,bwd", help="which kernels' configurations to sweep")
+    ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
+                    help="on bench_attention.py's engine-like top-k selection of this budget (0: dense)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune.jsonl"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("tune_attention.py needs a CUDA GPU")
     info, rows = run_info(), []
     default_fwd, default_bwd = paged._fwd_config, paged._bwd_config
-    reference = bench_paged(args.keys, 4096, outputs=True)["outputs"]  # the current configuration's
+    run = lambda: bench_paged(args.keys, 4096, outputs=True, sparse=args.sparse)  # noqa: E731
+    reference = run()["outputs"]  # the current configuration's
+    kinds = args.kinds.split(",")
     for kind, configs in (("fwd", FWD), ("bwd", BWD)):
+        if kind not in kinds:
+            continue
         for cfg in configs:
             if kind == "fwd":
                 paged._fwd_config = lambda q, d, cfg=cfg: cfg
             else:
                 paged._bwd_config = lambda q, d, cfg=cfg: cfg
-            row = {"kind": kind, "N": args.keys, **cfg}
+            row = {"kind": kind, "N": args.keys, "sparse_budget": args.sparse, "tma": paged.TMA, **cfg}
             try:
-                r = bench_paged(args.keys, 4096, outputs=True)
+                r = run()
                 ms = r[f"{kind}_ms"]
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(r["outputs"], reference))
                 row.update(ms=round(ms, 3), tflops=round((1 if kind == "fwd" else 2.5) * r["flops"] / ms / 1e9, 1),
@@ -55,7 +66,7 @@ def main() -> None:
             row.update(info)
             record(args.out, row)
             rows.append(row)
-    for kind in ("fwd", "bwd"):
+    for kind in kinds:
         ok = sorted((r for r in rows if r["kind"] == kind and "tflops" in r), key=lambda r: -r["tflops"])
         print(f"\n{kind}: fastest first (TFLOP/s, max |diff| vs the current config's output)")
         for r in ok[:8]:
