@@ -148,7 +148,7 @@ def _paged_attn_fwd(
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr,
 ):
     """TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)), so
-    page tiles load through the copy engine; else pointers."""
+    page tiles load through the tensor memory accelerator (TMA); else pointers."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -684,7 +684,7 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
 
 
 def _tma_pools(q: torch.Tensor, pages: LayerPages, d: int) -> bool:
-    """Whether the forward reads page tiles through tensor descriptors (the copy engine): not
+    """Whether the forward reads page tiles through tensor descriptors (the TMA unit): not
     turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or the interpreter), 16-bit
     pools, a power-of-two head_dim and 16-byte aligned pool strides."""
     if not TMA or pages.n_pages == 0:
