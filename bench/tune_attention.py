@@ -25,15 +25,20 @@ from oomb.attention import paged  # noqa: E402
 
 FWD = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
        for m, n, w, s in itertools.product((64, 128), (64, 128), (4, 8), (2, 3, 4)) if not (m == 64 and w == 8)]
-BWD = [dict(BLOCK_M1=m1, BLOCK_N1=n1, BLOCK_M2=m2, BLOCK_N2=n2, num_warps=w, num_stages=s)
-       for (m1, n1), (m2, n2), w, s in itertools.product(((32, 128), (64, 128), (64, 64)),
-                                                          ((128, 64), (128, 32), (64, 64)), (4, 8), (2, 3))]
+# The backward's two kernel families tune apart (one changes, the other keeps the default): dK/dV
+# (pages and own chunk) and dQ.
+DKDV = [dict(BLOCK_M1=m, BLOCK_N1=n, warps1=w, stages1=s)
+        for (m, n), w, s in itertools.product(((32, 128), (64, 128), (64, 64), (128, 128)), (4, 8), (2, 3, 4))
+        if not (m == 128 and w == 4)]
+DQ = [dict(BLOCK_M2=m, BLOCK_N2=n, warps2=w, stages2=s)
+      for (m, n), w, s in itertools.product(((128, 64), (128, 32), (64, 64), (128, 128)), (4, 8), (2, 3, 4))
+      if not (n == 128 and w == 4)]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=65536)
-    ap.add_argument("--kinds", default="fwd,bwd", help="which kernels' configurations to sweep")
+    ap.add_argument("--kinds", default="fwd,dkdv,dq", help="which kernels' configurations to sweep")
     ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
                     help="on bench_attention.py's engine-like top-k selection of this budget (0: dense)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "tune.jsonl"))
@@ -45,18 +50,18 @@ def main() -> None:
     run = lambda: bench_paged(args.keys, 4096, outputs=True, sparse=args.sparse)  # noqa: E731
     reference = run()["outputs"]  # the current configuration's
     kinds = args.kinds.split(",")
-    for kind, configs in (("fwd", FWD), ("bwd", BWD)):
+    for kind, configs in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
         if kind not in kinds:
             continue
         for cfg in configs:
             if kind == "fwd":
                 paged._fwd_config = lambda q, d, cfg=cfg: cfg
             else:
-                paged._bwd_config = lambda q, d, cfg=cfg: cfg
+                paged._bwd_config = lambda q, d, cfg=cfg: {**default_bwd(q, d), **cfg}
             row = {"kind": kind, "N": args.keys, "sparse_budget": args.sparse, "tma": paged.TMA, **cfg}
             try:
                 r = run()
-                ms = r[f"{kind}_ms"]
+                ms = r["fwd_ms" if kind == "fwd" else "bwd_ms"]
                 err = max((a.float() - b.float()).abs().max().item() for a, b in zip(r["outputs"], reference))
                 row.update(ms=round(ms, 3), tflops=round((1 if kind == "fwd" else 2.5) * r["flops"] / ms / 1e9, 1),
                            max_err=err)
@@ -70,7 +75,7 @@ def main() -> None:
         ok = sorted((r for r in rows if r["kind"] == kind and "tflops" in r), key=lambda r: -r["tflops"])
         print(f"\n{kind}: fastest first (TFLOP/s, max |diff| vs the current config's output)")
         for r in ok[:8]:
-            cfg = {k: v for k, v in r.items() if k.startswith(("BLOCK", "num_"))}
+            cfg = {k: v for k, v in r.items() if k.startswith(("BLOCK", "num_", "warps", "stages"))}
             print(f"  {r['tflops']:7.1f}  {r['max_err']:.2e}  {cfg}")
 
 

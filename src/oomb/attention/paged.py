@@ -581,16 +581,17 @@ def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
 
 
 def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
-    """dK/dV: BLOCK_N1 keys held, BLOCK_M1 queries streamed (BLOCK_N1 % BLOCK_M1 == 0);
-    dQ: BLOCK_M2 queries held, BLOCK_N2 keys streamed (BLOCK_M2 % BLOCK_N2 == 0)."""
+    """dK/dV kernels: BLOCK_N1 keys held, BLOCK_M1 queries streamed (BLOCK_N1 % BLOCK_M1 == 0),
+    warps1 warps, stages1 pipeline stages; dQ: BLOCK_M2 queries held, BLOCK_N2 keys streamed
+    (BLOCK_M2 % BLOCK_N2 == 0), warps2, stages2."""
     if q.device.type != "cuda":
-        return dict(BLOCK_M1=16, BLOCK_N1=32, BLOCK_M2=32, BLOCK_N2=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M1=16, BLOCK_N1=32, warps1=4, stages1=1, BLOCK_M2=32, BLOCK_N2=16, warps2=4, stages2=1)
     if q.dtype == torch.float32 or head_dim > 128:
-        return dict(BLOCK_M1=16, BLOCK_N1=64, BLOCK_M2=64, BLOCK_N2=16, num_warps=4, num_stages=1)
+        return dict(BLOCK_M1=16, BLOCK_N1=64, warps1=4, stages1=1, BLOCK_M2=64, BLOCK_N2=16, warps2=4, stages2=1)
     # bench/tune_attention.py on an H200 (as _fwd_config): 362.9 TFLOP/s (2.5x fwd FLOPs); 64x64
     # tiles with 4 warps and 2 stages 373.0 in the sweep but slower in the step; 32-query tiles
     # 324.7 or less.
-    return dict(BLOCK_M1=64, BLOCK_N1=128, BLOCK_M2=128, BLOCK_N2=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M1=64, BLOCK_N1=128, warps1=8, stages1=3, BLOCK_M2=128, BLOCK_N2=64, warps2=8, stages2=3)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -718,7 +719,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     page_size = pages.k.shape[2]
     head_dim = _head_dim_block(d)
     cfg = _bwd_config(q, d)
-    launch = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launch1 = dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])  # the dK/dV kernels
     precision = _precision(q)
 
     delta = torch.empty_like(lse)  # (B, H, C) fp32
@@ -741,7 +742,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
-            WINDOWED=pages.window > 0, **launch,
+            WINDOWED=pages.window > 0, **launch1,
         )
 
     dk = dv = None
@@ -756,7 +757,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             c, scale * RCP_LN2, scale, h, pages.window,
             GROUP=group, D=d, HEAD_DIM=head_dim,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, WINDOWED=pages.window > 0,
-            **launch,
+            **launch1,
         )
         if group > 1:
             dk = dk.view(b, n_kv, group, c, d).sum(2).to(k.dtype)
@@ -771,7 +772,8 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
-        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, **launch,
+        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0,
+        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
     )
     return dq, dk, dv
 
