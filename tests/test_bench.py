@@ -31,7 +31,8 @@ def test_bench_step_smoke(tmp_path):
     for r in rows[:4]:
         chunks = r["seq_len"] // 256
         assert len(r["stage1_chunk_ms"]) == chunks - 1 and len(r["stage2_chunk_ms"]) == chunks, r
-        assert 0.5 * r["step_s"] <= r["stage1_s"] + r["stage2_s"] <= 1.01 * r["step_s"], r
+        # all three are rounded to 10 ms
+        assert 0.5 * r["step_s"] <= r["stage1_s"] + r["stage2_s"] <= 1.01 * r["step_s"] + 0.015, r
         assert abs(sum(r["stage2_chunk_ms"]) / 1e3 - r["stage2_s"]) <= 0.01 + 0.01 * r["stage2_s"], r
     assert "stage1_s" not in rows[4]
 
