@@ -62,9 +62,10 @@ class PassClock:
         stage1, stage2 = ms[: n - 1], ms[n - 1:][::-1]
 
         def quarters(x: list[float]) -> list[float]:
-            k = len(x)
-            return [round(sum(x[i * k // 4:(i + 1) * k // 4]) / max(1, (i + 1) * k // 4 - i * k // 4), 1)
-                    for i in range(4)] if k >= 4 else [round(v, 1) for v in x]
+            if len(x) < 4:  # too few chunks for quarters: each one's
+                return [round(v, 1) for v in x]
+            parts = [x[i * len(x) // 4:(i + 1) * len(x) // 4] for i in range(4)]  # none empty
+            return [round(sum(p) / len(p), 1) for p in parts]
 
         return {"stage1_s": round(sum(stage1) / 1e3, 2), "stage2_s": round(sum(stage2) / 1e3, 2),
                 "stage1_chunk_ms": quarters(stage1), "stage2_chunk_ms": quarters(stage2)}
