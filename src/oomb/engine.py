@@ -14,6 +14,8 @@ needs no stage 1: nothing after it reads its pages.
 """
 from __future__ import annotations
 
+import functools
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -240,8 +242,24 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
 
+        # A sparse layer's pages are one gathered group, which uses one of a host layer's two
+        # staging buffers: the next layer's pages start loading into the other one right away, so
+        # a host layer's transfer hides behind the whole layer before it (forward and backward).
+        ahead: dict[int, object] = {}  # layer -> its groups, made (and loading) one layer early
+
+        def look_ahead(i: int, j: int, with_grad: bool) -> None:
+            if self.checkpoint_layers or not 0 <= j < a.n_layers or self.sparse is None or a.window(i):
+                return
+            if ahead.get(j) is None:
+                ahead[j] = self._known_groups(c, j, first_page)  # None: selected by its own q (the last chunk)
+            if ahead[j] is not None:
+                ahead[j].prefetch(with_grad)
+
         def layer_step(i, layer, h, cos, sin):
-            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True,
+                                            groups=ahead.get(i))
+            ahead[i] = groups
+            look_ahead(i, i + 1, False)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
@@ -260,29 +278,40 @@ class ChunkRecurrentEngine:
                     continue
                 h, groups = layer_step(i, layer, h, cos, sin)
                 # The layer's backward starts when its output's gradient is ready: load its first
-                # group of pages (and their dK/dV) then, behind the MLP's backward.
-                h.register_hook(lambda grad, groups=groups: groups.prefetch(True))
+                # group of pages (and their dK/dV) then, behind the MLP's backward, if the layer
+                # after it did not already, and the next layer's.
+                h.register_hook(functools.partial(self._backward_starts, groups, look_ahead, i))
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
             h.backward(grad_h)
         return ce_sum
 
-    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool):
-        """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads.
+    @staticmethod
+    def _backward_starts(groups, look_ahead, i: int, grad: torch.Tensor) -> None:
+        groups.prefetch(True)
+        look_ahead(i, i - 1, True)
 
-        The groups are made before the projections when the pages are known (dense; sparse
-        with a kept selection), so offloaded pages start moving while q/k/v are computed.
-        Sparse pages depend on q: each (chunk, layer) selects once (the first pass that sees
-        it: stage 1, or stage 2 for the last chunk) and keeps its selection for the other.
-        """
+    def _known_groups(self, c: int, i: int, n_pages: int):
+        """The groups of earlier pages layer i of chunk c reads, when they are known before its
+        projections (dense; sparse with a kept selection), else None."""
         window = self.adapter.window(i)
-        # Sliding-window layers attend densely to the few pages their window reaches.
-        sparse = self.sparse is not None and not window
-        groups = None
-        if not sparse:
-            groups = self.store.page_groups(i, n_pages, window=window)
-        elif (c, i) in self._selection:
-            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+        if self.sparse is None or window:  # sliding-window layers attend densely to the few pages they reach
+            return self.store.page_groups(i, n_pages, window=window)
+        if (c, i) in self._selection:
+            return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+        return None
+
+    def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool, groups=None):
+        """q, k, v of layer i for chunk c, and the groups of earlier pages its attention reads
+        (`groups`: made earlier, by _known_groups).
+
+        The groups are made before the projections when the pages are known, so offloaded pages
+        start moving while q/k/v are computed. Sparse pages depend on q: each (chunk, layer)
+        selects once (the first pass that sees it: stage 1, or stage 2 for the last chunk) and
+        keeps its selection for the other.
+        """
+        if groups is None:
+            groups = self._known_groups(c, i, n_pages)
         if groups is not None and prefetch:
             groups.prefetch(False)
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)

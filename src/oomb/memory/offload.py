@@ -20,6 +20,9 @@ run at once), never by the host thread:
   write-backs.
 The first group of a layer is loaded ahead (`prefetch()`, called by the engine before the
 layer's projections in forward and when its backward starts), so it hides behind compute too.
+In stage 2 a sparse layer's selection is known for every layer, and its pages are one group: the
+engine then prefetches the next layer's group while this one's is in use (the two buffers
+alternate between groups), so a host layer's transfer hides behind the whole layer before it.
 A chunk's host dK/dV pages are zeroed when its K/V are written (a copy from a zero buffer on
 the device: no host-thread memset), so every later read of them is valid, whichever pages a
 sliding window or a sparse selection happens to reach.
@@ -61,7 +64,10 @@ class HostPages:
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
         self.stored = [self._event(), self._event()]
-        self._prefetched: tuple | None = None  # (layer, with_grad, span) loading into buffer 0
+        # buffer -> the key (layer, with_grad, first span, gather rows) of the group loading into
+        # it ahead of its use; the next group to start takes buffer _next (they alternate)
+        self._prefetched: dict[int, tuple] = {}
+        self._next = 0
         self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
 
     # -- sizes ----------------------------------------------------------------------------
@@ -83,6 +89,7 @@ class HostPages:
     def begin_step(self, batch: int, max_pages: int) -> None:
         if not self.layers:
             return
+        self._prefetched.clear()  # a step cut short may have left loads nobody used
         if batch != self.batch or max_pages > self.max_pages:
             s = self.spec
             shape = (max_pages, batch, s.n_kv_heads, s.page_size, s.head_dim)
@@ -253,22 +260,27 @@ class _HostGroups:
                 self.rows.record_stream(host.d2h_stream)
 
     def prefetch(self, with_grad: bool) -> None:
-        """Start loading the first group now, so the load hides behind the compute before it."""
-        if self.spans and self.host._prefetched != self._key(with_grad):
-            self._begin(with_grad)
-            self.host._prefetched = self._key(with_grad)
+        """Start loading the first group now, so the load hides behind the compute before it.
+        Two groups can be loading or loaded at once (one per staging buffer): the engine asks for
+        the next layer's while this one's are in use."""
+        if self.spans and self._key(with_grad) not in self.host._prefetched.values():
+            self.host._prefetched[self._begin(with_grad)] = self._key(with_grad)
 
     def _key(self, with_grad: bool) -> tuple:
         return self.layer, with_grad, self.spans[0], id(self.rows)
 
-    def _begin(self, with_grad: bool) -> None:
+    def _begin(self, with_grad: bool) -> int:
+        """Load the first group into the next staging buffer; returns the buffer."""
         host = self.host
+        buf, host._next = host._next, 1 - host._next
+        host._prefetched.pop(buf, None)  # whatever was loading there is overwritten
         if host.cuda:
             if with_grad:
                 host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
             if self.rows is not None:
                 host.copy_stream.wait_event(self.rows_ready)
-        host._load(0, self.layer, self.spans[0], with_grad, self.rows)
+        host._load(buf, self.layer, self.spans[0], with_grad, self.rows)
+        return buf
 
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
@@ -277,12 +289,16 @@ class _HostGroups:
             dk, dv = grads if with_grad else (None, None)
             yield LayerPages(k, v, dk, dv, host.table[:, :0], 0, **self.extra)
             return
-        if host._prefetched != self._key(with_grad):
-            self._begin(with_grad)
-        host._prefetched = None
+        key = self._key(with_grad)
+        first = next((b for b, k in host._prefetched.items() if k == key), None)
+        if first is None:
+            first = self._begin(with_grad)
+        host._prefetched.pop(first, None)
         for g, (start, end) in enumerate(spans):
-            buf = g % 2
+            buf = (first + g) % 2
             if g + 1 < len(spans):  # load the next group while this one is computed on
+                host._prefetched.pop(1 - buf, None)  # a later layer's group loading there is overwritten
+                host._next = buf  # and the group after this layer starts in the other buffer
                 host._load(1 - buf, layer, spans[g + 1], with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
