@@ -311,20 +311,28 @@ class _HostGroups:
                 host._store_grads(buf, layer, (start, end), self.rows)
 
 
+# Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block
+# (a whole SM's registers) cannot share the SM with it; one program per row (256 for a sparse
+# layer's candidates) kept most SMs from the compute a transfer was meant to overlap. 32
+# programs, each moving 32 KiB per load, still cover PCIe's ~55 GB/s.
+COPY_PROGRAMS = 32
+
+
 @triton.jit
-def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, row_elems, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, n_rows, row_elems, GATHER: tl.constexpr, SCATTER: tl.constexpr,
                       BLOCK: tl.constexpr):
-    r = tl.program_id(0)
-    src = r.to(tl.int64)
-    dst = r.to(tl.int64)
-    if GATHER:
-        src = tl.load(SrcRows + r)
-    if SCATTER:
-        dst = tl.load(DstRows + r)
-    for start in range(0, row_elems, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < row_elems
-        tl.store(Dst + dst * row_elems + offs, tl.load(Src + src * row_elems + offs, mask=mask), mask=mask)
+    """Rows pid, pid + programs, ... of the copy."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        src = tl.zeros([], tl.int64) + r  # 64-bit offsets (the loop index is a plain int under the interpreter)
+        dst = src
+        if GATHER:
+            src = tl.load(SrcRows + r)
+        if SCATTER:
+            dst = tl.load(DstRows + r)
+        for start in range(0, row_elems, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < row_elems
+            tl.store(Dst + dst * row_elems + offs, tl.load(Src + src * row_elems + offs, mask=mask), mask=mask)
 
 
 def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tensor, dst_rows: torch.Tensor | None) -> None:
@@ -344,10 +352,11 @@ def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tenso
         return
     assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
     row_elems = src[0].numel()
-    _copy_rows_kernel[(rows.numel(),)](src, src_rows if src_rows is not None else rows, dst,
-                                       dst_rows if dst_rows is not None else rows, row_elems,
-                                       GATHER=src_rows is not None, SCATTER=dst_rows is not None,
-                                       BLOCK=min(4096, triton.next_power_of_2(row_elems)), num_warps=4)
+    n_rows = rows.numel()
+    _copy_rows_kernel[(min(n_rows, COPY_PROGRAMS),)](src, src_rows if src_rows is not None else rows, dst,
+                                                     dst_rows if dst_rows is not None else rows, n_rows, row_elems,
+                                                     GATHER=src_rows is not None, SCATTER=dst_rows is not None,
+                                                     BLOCK=min(16384, triton.next_power_of_2(row_elems)), num_warps=4)
 
 
 def available_host_bytes() -> int:
