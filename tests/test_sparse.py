@@ -156,6 +156,29 @@ def test_stage2_loads_the_next_host_layer_ahead(monkeypatch):
     assert checked == 2 * (layers - 1) * (n_chunks - 2) + (layers - 1)
 
 
+@pytest.mark.parametrize("offload,dropout,interleaved", [("all", 0.0, True), ("none", 0.0, False),
+                                                        ("all", 0.1, False)])
+def test_stage1_interleaves_two_chunks_with_host_layers(monkeypatch, offload, dropout, interleaved):
+    """With sparse host layers stage 1 runs two chunks a layer apart (one's attention while the
+    other's pages load), the older one first at every layer; sequentially otherwise, and with
+    dropout (stage 2 replays each chunk's RNG)."""
+    model = make_model("qwen2", layers=3)
+    model.model.layers[0].mlp.add_module("drop", torch.nn.Dropout(dropout))
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=oomb.TopKPages(
+        budget=2, block_queries=32, chunk_budget=3), group_pages=3, offload=offload)
+    order, project = [], engine._project
+
+    def logged(c, i, *args, **kwargs):
+        if not torch.is_grad_enabled():  # stage 1
+            order.append((c, i))
+        return project(c, i, *args, **kwargs)
+    monkeypatch.setattr(engine, "_project", logged)
+    engine.forward_backward(batch())
+    sequential = [(c, i) for c in range(3) for i in range(3)]
+    assert order == ([(0, 0), (0, 1), (1, 0), (0, 2), (1, 1), (2, 0), (1, 2), (2, 1), (2, 2)]
+                     if interleaved else sequential)
+
+
 def test_copy_rows_kernel_gathers_and_scatters():
     """The zero-copy gather/scatter kernel (interpreter on CPU) against plain indexing, with fewer
     programs than rows (each takes every programs-th row)."""

@@ -145,12 +145,7 @@ class ChunkRecurrentEngine:
         sums = _GradSums(self.summed_params(), self.param_grad_dtype)
         try:
             with torch.no_grad():
-                for c, (start, end) in enumerate(bounds[:-1]):
-                    rng_states.append(self._rng_state())
-                    self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
-                    self._stage1_chunk(c, input_ids[:, start:end], start, keep=self.keeps_attention)
-                    lead.chunk_done()
-                    passes.done()
+                self._stage1(input_ids, bounds, rng_states, lead, passes)
             rng_states.append(self._rng_state())
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for c in reversed(range(len(bounds))):
@@ -212,11 +207,54 @@ class ChunkRecurrentEngine:
             self.store.free_all()
         return StepResult(loss=total / count, num_tokens=count)
 
+    def _stage1(self, input_ids: torch.Tensor, bounds: list, rng_states: list, lead: "_HostLead",
+                passes: "_Passes") -> None:
+        """Stage 1 of chunks 0 .. n-2, appending each one's RNG state at its start.
+
+        A sparse host layer's pages can only start moving once the layer's queries chose them,
+        and its attention waits for them (~2.7 ms of PCIe for 256 candidate pages of a 7B layer,
+        behind ~0.3 ms of projections). So with host layers, two chunks run interleaved, the
+        newer one a layer behind (its layer i reads the older one's layer-i pages): one chunk's
+        attention and MLP run while the other's pages load. Without dropout only: each chunk's
+        stage 2 replays its stage-1 RNG, which interleaving would mix."""
+        pages_per_chunk = self.chunk_size // self.page_size
+        width = 2 if self._interleave_stage1() else 1
+        waiting, active = deque(range(len(bounds) - 1)), deque()
+        while waiting or active:
+            if waiting and len(active) < width:
+                c = waiting.popleft()
+                rng_states.append(self._rng_state())
+                self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
+                start, end = bounds[c]
+                active.append(self._stage1_layers(c, input_ids[:, start:end], start, keep=self.keeps_attention))
+            turn = active.popleft()  # the oldest chunk first: its layer i is stored before the next one's
+            if next(turn, StopIteration) is StopIteration:
+                lead.chunk_done()
+                passes.done()
+            else:
+                active.append(turn)
+
+    def _interleave_stage1(self) -> bool:
+        return (self.sparse is not None and bool(self.store.host_layers)
+                and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()))
+
     def _stage1_chunk(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
                       full: bool = False, keep: bool = False) -> torch.Tensor:
         """Run a chunk without autograd, storing its K/V; returns the final hidden states when
         `full`, else stops after the last layer's K/V (nothing else of it is needed). `keep`:
         also keep each layer's attention output and LSE for stage 2."""
+        layers = self._stage1_layers(c, ids, start, store, full, keep)
+        while True:
+            try:
+                next(layers)
+            except StopIteration as done:
+                return done.value
+
+    def _stage1_layers(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
+                       full: bool = False, keep: bool = False):
+        """_stage1_chunk as a generator: it yields after each layer's projections and K/V write,
+        before the layer's attention (whose pages may still be loading), and returns what
+        _stage1_chunk returns."""
         a = self.adapter
         first_page = c * (self.chunk_size // self.page_size)
         h = a.embed_tokens(ids)  # (B, C, hidden)
@@ -228,6 +266,7 @@ class ChunkRecurrentEngine:
                 self.store.write(i, first_page, k, v)
             if not attend:
                 break
+            yield
             if keep:
                 self._kept[c, i] = attention_with_lse(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
                 o = self._kept[c, i][0]
