@@ -50,7 +50,8 @@ def _kernel(kind: str, sparse: bool) -> tuple:
         desc = DESC.format(n=cfg["BLOCK_N"], d=128)
         ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KP=desc, VP=desc, Table="*i32", Sel="*i32", Span="*i32",
                     O="*fp32", LSE="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], INCLUDE_SELF=True, TMA=True)
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], INCLUDE_SELF=True, TMA=True,
+                     OWN_STAGES=cfg.get("own_stages", cfg["num_stages"]))
         return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
@@ -66,11 +67,14 @@ def _kernel(kind: str, sparse: bool) -> tuple:
 
 def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> str:
     fn, ptrs, const, options = _kernel(kind, sparse)
-    # Constexprs the table above does not know (added to a kernel since): powers of two that fit
-    # a 4,096-query chunk (32 query blocks of 128, 64 slots).
+    # Launch-time constants of some kernel versions: a 4,096-query chunk has 32 query blocks.
+    const.update(MAX_BLOCKS=32, SLOTS=getattr(paged, "SLOT_BATCH", 64))
+    const = {n: v for n, v in const.items() if n in fn.arg_names}
+    unknown = [n for n in fn.arg_names if n.isupper() and n not in const and n not in ptrs
+               and n not in ("C", "H", "HKV")]
+    if unknown:
+        raise SystemExit(f"kernel_ir.py does not know the value of {unknown} for {kind}: add it to _kernel()")
     for name in fn.arg_names:
-        if name.isupper() and name not in const and name not in ptrs and name not in ("C", "H", "HKV"):
-            const[name] = 32 if name.startswith("MAX") else 64
         if name.startswith("stride_") and name.endswith("d"):
             const[name] = 1  # head_dim is the contiguous dimension
     sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
