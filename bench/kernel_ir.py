@@ -11,7 +11,8 @@ pipelined loop waits at the top of an iteration for the copies of an earlier one
 newer ones in flight (`ttg.async_wait ... {num = N}`, N > 0); `num = 0` inside a loop means its
 next tile is loaded only after its compute, with nothing overlapping: what a load in the address
 chain (a page table, a selection) does to Triton 3.6's pipeliner. Descriptor (TMA) loads wait on
-barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too.
+barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
+and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one).
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
 (`pip install --target DIR triton==3.6.0`).
 
@@ -65,7 +66,8 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 
-def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> str:
+def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> tuple[str, int]:
+    """(TTGIR, shared memory bytes per program) of a kernel at the H200 launch settings."""
     fn, ptrs, const, options = _kernel(kind, sparse)
     # Launch-time constants of some kernel versions: a 4,096-query chunk has 32 query blocks.
     const.update(MAX_BLOCKS=32, SLOTS=getattr(paged, "SLOT_BATCH", 64))
@@ -82,7 +84,8 @@ def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> str:
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride_") or n == "C"))}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()}, attrs=aligned)
-    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options).asm["ttgir"]
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+    return kernel.asm["ttgir"], kernel.metadata.shared
 
 
 def loop_waits(ttgir: str) -> dict:
@@ -103,19 +106,19 @@ def main() -> None:
     args = ap.parse_args()
     for kind in args.kinds.split(","):
         for sparse in (False, True):
-            ir = compile_ttgir(kind, sparse)
+            ir, shared = compile_ttgir(kind, sparse)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(os.path.join(args.dump, f"{kind}-{'sparse' if sparse else 'dense'}.ttgir"), "w") as f:
                     f.write(ir)
-            row = dict(kernel=kind, sparse=sparse, triton=triton.__version__, **loop_waits(ir))
+            row = dict(kernel=kind, sparse=sparse, triton=triton.__version__, shared_bytes=shared, **loop_waits(ir))
             if args.json:
                 print(json.dumps(row))
             else:
                 stalls = sum(1 for n in row["waits"] if n == 0)
                 print(f"{kind:5s} {'sparse' if sparse else 'dense ':6s} waits in loops {row['waits']} "
                       f"({stalls} with nothing in flight), barrier waits {row['barrier_waits']}, "
-                      f"scalar loads in loops {row['scalar_loads_in_loops']}")
+                      f"scalar loads in loops {row['scalar_loads_in_loops']}, {shared:,} B shared memory")
 
 
 if __name__ == "__main__":
