@@ -1,7 +1,7 @@
 """Compile the paged attention kernels for a Hopper GPU without one, and show how Triton's software
 pipeliner treated each loop: whether a loop's loads stay in flight while it computes.
 
-    python bench/kernel_ir.py                 # forward, dQ, dK/dV pages; dense and top-k; H200 settings
+    python bench/kernel_ir.py                 # forward, dQ, dK/dV (pages; own keys); dense and top-k; H200
     python bench/kernel_ir.py --dump /tmp/ir  # also write each kernel's TTGIR there
 
 Each kernel is compiled for sm_90 (ptxas ships with Triton) with the launch settings the GPU
@@ -60,6 +60,10 @@ def _kernel(kind: str, sparse: bool) -> tuple:
                     VP="*bf16", Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
         const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True)
         return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg["warps2"], num_stages=cfg["stages2"])
+    if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
+        ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
+        return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
     ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
                 DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
     const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
@@ -100,12 +104,12 @@ def loop_waits(ttgir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", default="fwd,dq,dkdv")
+    ap.add_argument("--kinds", default="fwd,dq,dkdv,dkdv_own")
     ap.add_argument("--dump", help="a directory for the TTGIR files")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel")
     args = ap.parse_args()
     for kind in args.kinds.split(","):
-        for sparse in (False, True):
+        for sparse in (False,) if kind == "dkdv_own" else (False, True):
             ir, shared = compile_ttgir(kind, sparse)
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
