@@ -15,7 +15,6 @@ needs no stage 1: nothing after it reads its pages.
 from __future__ import annotations
 
 import functools
-
 from collections import deque
 from dataclasses import dataclass
 
