@@ -312,9 +312,10 @@ class _HostGroups:
 
 
 # Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block
-# (a whole SM's registers) cannot share the SM with it; one program per row (256 for a sparse
-# layer's candidates) kept most SMs from the compute a transfer was meant to overlap. 32
-# programs, each moving 32 KiB per load, still cover PCIe's ~55 GB/s.
+# (a whole SM's registers) cannot share the SM with it, so one program per row (256 for a sparse
+# layer's candidates) could keep most SMs from the compute a transfer is meant to overlap. 32
+# programs, each moving 32 KiB per load, still fill PCIe (bench_copy.py on an H200: gather /
+# scatter 50.1 / 51.7 GB/s, one program per row 49.6 / 51.3); fewer: `bench_copy.py --programs`.
 COPY_PROGRAMS = 32
 
 
