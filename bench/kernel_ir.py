@@ -10,7 +10,9 @@ specialised as at launch (the head_dim stride 1, the others multiples of 16). In
 pipelined loop waits at the top of an iteration for the copies of an earlier one and leaves the
 newer ones in flight (`ttg.async_wait ... {num = N}`, N > 0); `num = 0` inside a loop means its
 next tile is loaded only after its compute, with nothing overlapping: what a load in the address
-chain (a page table, a selection) does to Triton 3.6's pipeliner. Descriptor (TMA) loads wait on
+chain (a page table, a selection) does to Triton 3.6's pipeliner. (In the forward, slots from
+registers and 3 stages gained 19 % dense on the H200; in the dQ page loop the same change
+measured slower, so num = 0 there is kept: docs/benchmarks.md.) Descriptor (TMA) loads wait on
 barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
 and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one).
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
@@ -51,8 +53,7 @@ def _kernel(kind: str, sparse: bool) -> tuple:
         desc = DESC.format(n=cfg["BLOCK_N"], d=128)
         ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KP=desc, VP=desc, Table="*i32", Sel="*i32", Span="*i32",
                     O="*fp32", LSE="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], INCLUDE_SELF=True, TMA=True,
-                     OWN_STAGES=cfg.get("own_stages", cfg["num_stages"]))
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], INCLUDE_SELF=True, TMA=True)
         return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
@@ -73,8 +74,7 @@ def _kernel(kind: str, sparse: bool) -> tuple:
 def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> tuple[str, int]:
     """(TTGIR, shared memory bytes per program) of a kernel at the H200 launch settings."""
     fn, ptrs, const, options = _kernel(kind, sparse)
-    # Launch-time constants of some kernel versions: a 4,096-query chunk has 32 query blocks.
-    const.update(MAX_BLOCKS=32, SLOTS=getattr(paged, "SLOT_BATCH", 64))
+    const.update(SLOTS=paged.SLOT_BATCH)
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     unknown = [n for n in fn.arg_names if n.isupper() and n not in const and n not in ptrs
                and n not in ("C", "H", "HKV")]

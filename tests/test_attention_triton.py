@@ -195,6 +195,17 @@ def test_tensor_descriptors_where_they_apply(monkeypatch):
     assert not tma(torch.float32, 32) and not tma(torch.float16, 24) and not tma(torch.float16, 32, on=False)
 
 
+def test_page_slots_in_batches(monkeypatch):
+    """The forward loads its pages' pool slots SLOT_BATCH at a time (64 on the GPU) before
+    looping over the pages' key tiles: in batches of 2 here, 5 pages make three batches, the last
+    partial (dense, descriptor and pointer loads), and a selection two."""
+    monkeypatch.setattr(paged, "SLOT_BATCH", 2)
+    run_case(2, 8, 2, 40, 16, 16, 5, torch.float16, "cpu")
+    sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 0)
+    monkeypatch.setattr(paged, "TMA", False)
+    run_case(1, 4, 2, 24, 16, 16, 5, torch.float16, "cpu")
+
+
 def random_selection(b, n_kv, blocks, k, n_logical, seed=1):
     """(B, Hkv, n_blocks, k) int32 ascending logical pages; page 0 in every row (a sink, chosen
     by all blocks: the longest dK/dV program), the others random and distinct."""

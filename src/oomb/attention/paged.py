@@ -41,6 +41,9 @@ MAX_HEAD_DIM = 256
 # The forward loads page tiles through tensor descriptors where it can (_tma_pools): +10 % forward
 # TFLOP/s on the H200 (docs/benchmarks.md). OOMB_TMA=0 turns it off.
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
+# Pages whose pool slots a forward program loads at once, into registers, before looping over
+# their key tiles (_slot_batch).
+SLOT_BATCH = 64
 
 
 # ----------------------------------------------------------------------------------------
@@ -58,6 +61,28 @@ def _page_tiles(Span, row, n_pages, tiles_per_page, SPARSE: tl.constexpr):
         t_lo = tl.load(Span + row * 2) * tiles_per_page
         t_hi = tl.load(Span + row * 2 + 1) * tiles_per_page
     return t_lo, t_hi
+
+
+@triton.jit
+def _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS: tl.constexpr,
+                SPARSE: tl.constexpr):
+    """Pool slots of the visited pages p0 .. p0 + SLOTS - 1 (those < p_hi) as one register vector,
+    loaded before the tile loop that uses them. A slot loaded inside the loop puts a load in the
+    address chain of the K/V tile loads, and Triton's software pipeliner then keeps no tile in
+    flight ahead of its use; with addresses from registers, 3 stages keep two (forward: +19 %
+    dense, +9 % top-k 64 on the H200, docs/benchmarks.md)."""
+    idx = p0 + tl.arange(0, SLOTS)
+    valid = idx < p_hi
+    page = idx
+    if SPARSE:
+        page = tl.load(Sel + sel_row + idx, mask=valid, other=0)
+    return tl.load(Table + off_b * stride_tb + page * stride_tp, mask=valid, other=0)
+
+
+@triton.jit
+def _pick(vec, i, N: tl.constexpr):
+    """vec[i] of an (N,) register vector, i a scalar: a reduction, no memory access."""
+    return tl.sum(tl.where(tl.arange(0, N) == i, vec, 0))
 
 
 @triton.jit
@@ -82,19 +107,17 @@ def _own_key_tiles(q_lo, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
 
 
 @triton.jit
-def _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
-               stride_tb, stride_tp, stride_ps, stride_ph, stride_pn,
-               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, SPARSE: tl.constexpr):
-    """The t-th page key tile a query tile visits: the offset of its first key in the K/V
-    pools, and which (query, key) pairs a sliding window lets through (key positions relative
-    to the chunk's start: negative for earlier pages); also its slot and first key in the page
-    (the coordinates of a tensor-descriptor load)."""
+def _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph, stride_pn,
+               PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The t-th page key tile a query tile visits, its page in pool slot `slot`: the offset of
+    its first key in the K/V pools, which (query, key) pairs a sliding window lets through (key
+    positions relative to the chunk's start: negative for earlier pages), and its first key in
+    the page (with the slot, a tensor-descriptor load's coordinates)."""
     tiles_per_page = PAGE_SIZE // BLOCK_N
-    slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
     n0 = (t % tiles_per_page) * BLOCK_N
     base = slot * stride_ps + off_kvh * stride_ph + n0 * stride_pn
     kpos = kpos0 + (t // tiles_per_page) * PAGE_SIZE + n0 + offs_n
-    return base, kpos[None, :] > offs_m[:, None] - window, slot, n0
+    return base, kpos[None, :] > offs_m[:, None] - window, n0
 
 
 @triton.jit
@@ -145,7 +168,7 @@ def _paged_attn_fwd(
     C, n_pages, qk_scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr, SLOTS: tl.constexpr,
 ):
     """TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)), so
     page tiles load through the tensor memory accelerator (TMA); else pointers."""
@@ -169,28 +192,33 @@ def _paged_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
-    # Earlier pages: full, all before the chunk, so no mask but the head_dim one. One flat
-    # loop over (page, tile within page) so the compiler pipelines it.
+    # Earlier pages: full, all before the chunk, so no mask but the head_dim one. Per batch of
+    # SLOTS pages, one flat loop over (page, tile within page) whose addresses come from
+    # registers, so the compiler pipelines it.
     tiles_per_page = PAGE_SIZE // BLOCK_N
     kT_mask = mask_d[:, None]
     v_mask = mask_d[None, :]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
-    for t in range(t_lo, t_hi):
-        base, in_window, slot, n0 = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0,
-                                               window, stride_tb, stride_tp, stride_ps, stride_ph, stride_pn,
-                                               PAGE_SIZE, BLOCK_N, SPARSE)
-        if TMA:
-            coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
-            k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
-            v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
-            acc, l_i, m_i = _attn_fwd_tile(acc, l_i, m_i, q, tl.trans(k), v, in_window, qk_scale, WINDOWED,
-                                           IN_PRECISION)
-        else:
-            kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-            v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
-            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
-                                            qk_scale, WINDOWED, IN_PRECISION)
+    p_lo = t_lo // tiles_per_page
+    p_hi = t_hi // tiles_per_page
+    for p0 in range(p_lo, p_hi, SLOTS):
+        slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
+        for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
+            slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
+            base, in_window, n0 = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                             stride_pn, PAGE_SIZE, BLOCK_N)
+            if TMA:
+                coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
+                k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                acc, l_i, m_i = _attn_fwd_tile(acc, l_i, m_i, q, tl.trans(k), v, in_window, qk_scale, WINDOWED,
+                                               IN_PRECISION)
+            else:
+                kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+                v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
+                acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
+                                                qk_scale, WINDOWED, IN_PRECISION)
 
     # The chunk's own keys ride with the first group of pages only (attention/function.py).
     if INCLUDE_SELF:
@@ -488,10 +516,12 @@ def _paged_attn_bwd_dq(
     kv_mask = mask_d[:, None]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
+    # The slot loads stay inside this loop: from registers (as in the forward) its pages
+    # measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, docs/benchmarks.md).
     for t in range(t_lo, t_hi):
-        base, in_window, _, _ = _page_tile(Table, Sel, sel_row, off_b, off_kvh, t, offs_m, offs_n, kpos0, window,
-                                           stride_tb, stride_tp, stride_ps, stride_ph, stride_pn, PAGE_SIZE,
-                                           BLOCK_N, SPARSE)
+        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
+        base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                        stride_pn, PAGE_SIZE, BLOCK_N)
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
         dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
@@ -573,11 +603,11 @@ def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32 or head_dim > 128:  # twice the bytes per tile: halve it
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    # bench/tune_attention.py on an H200 (bf16, D=128, C=4096, 64K keys; bench/results/tune.jsonl,
-    # 47e4f21): 417.7 TFLOP/s; 3 stages 425.8, BLOCK_M=BLOCK_N=64 with 4 warps 387.3, 4 stages out of
-    # shared memory. The sweep's best pair (3 stages here, 64x64 tiles with 4 warps for the
-    # backward) made the dense 64K training step slower (17.51 vs 16.25 s, c8c3893): kept as is.
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=2)
+    # bench/tune_attention.py on an H200 (bf16, D=128, C=4096; bench/results/tune.jsonl, 2026-11-30),
+    # page slots from registers (_slot_batch): 3 stages 549.9 TFLOP/s at 64K keys dense, 490.5 at
+    # top-k 64 of 1M; 2 stages 432.9 / 428.5 (with slots loaded in the loop, 2 stages had been the
+    # faster: 461.1 vs 448.5 dense). 4 stages are out of shared memory; 64-key tiles slower.
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
 def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
@@ -678,7 +708,8 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
         c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], *_window_args(pages),
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
-        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, num_warps=cfg["num_warps"],
+        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
+        num_warps=cfg["num_warps"],
         num_stages=cfg["num_stages"],
     )
     return o, lse
