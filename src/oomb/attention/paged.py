@@ -52,15 +52,15 @@ SLOT_BATCH = 64
 
 
 @triton.jit
-def _page_tiles(Span, row, n_pages, tiles_per_page, SPARSE: tl.constexpr):
-    """Page tiles [t_lo, t_hi) a query block visits in this group: every page (dense), or the
+def _page_range(Span, row, n_pages, SPARSE: tl.constexpr):
+    """Pages [p_lo, p_hi) a query block visits in this group: every page (dense), or the
     entries [lo, hi) of its block's ascending selection that fall inside the group (sparse)."""
-    t_lo = 0
-    t_hi = n_pages * tiles_per_page
+    p_lo = 0
+    p_hi = n_pages
     if SPARSE:
-        t_lo = tl.load(Span + row * 2) * tiles_per_page
-        t_hi = tl.load(Span + row * 2 + 1) * tiles_per_page
-    return t_lo, t_hi
+        p_lo = tl.load(Span + row * 2)
+        p_hi = tl.load(Span + row * 2 + 1)
+    return p_lo, p_hi
 
 
 @triton.jit
@@ -199,9 +199,7 @@ def _paged_attn_fwd(
     kT_mask = mask_d[:, None]
     v_mask = mask_d[None, :]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
-    t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
-    p_lo = t_lo // tiles_per_page
-    p_hi = t_hi // tiles_per_page
+    p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
     for p0 in range(p_lo, p_hi, SLOTS):
         slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
         for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
@@ -519,10 +517,10 @@ def _paged_attn_bwd_dq(
     tiles_per_page = PAGE_SIZE // BLOCK_N
     kv_mask = mask_d[:, None]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
-    t_lo, t_hi = _page_tiles(Span, sel_row // max_sel, n_pages, tiles_per_page, SPARSE)
+    p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
     # The slot loads stay inside this loop: from registers (as in the forward) its pages
     # measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, docs/benchmarks.md).
-    for t in range(t_lo, t_hi):
+    for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
         slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
         base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
                                         stride_pn, PAGE_SIZE, BLOCK_N)
