@@ -14,7 +14,10 @@ chain (a page table, a selection) does to Triton 3.6's pipeliner. (In the forwar
 registers and 3 stages gained 19 % dense on the H200; in the dQ page loop the same change
 measured slower, so num = 0 there is kept: docs/benchmarks.md.) Descriptor (TMA) loads wait on
 barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
-and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one).
+and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one), with the
+registers per thread and the bytes spilled to local memory that ptxas reports (the one Triton
+compiles with). The dK/dV kernels run at 255 registers (the dense one spills ~70 B; ncu on the
+H200 agrees: one 8-warp program per SM).
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
 (`pip install --target DIR triton==3.6.0`).
 
@@ -26,7 +29,9 @@ import argparse
 import json
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from types import SimpleNamespace
 
 os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported
@@ -34,6 +39,7 @@ os.environ.pop("TRITON_INTERPRET", None)  # before triton is imported
 import torch  # noqa: E402
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
@@ -71,8 +77,8 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 
-def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> tuple[str, int]:
-    """(TTGIR, shared memory bytes per program) of a kernel at the H200 launch settings."""
+def compile_kernel(kind: str, sparse: bool, arch: int = 90):
+    """A kernel compiled at the H200 launch settings (.asm: ttgir, ptx, ...; .metadata.shared)."""
     fn, ptrs, const, options = _kernel(kind, sparse)
     const.update(SLOTS=paged.SLOT_BATCH)
     const = {n: v for n, v in const.items() if n in fn.arg_names}
@@ -88,8 +94,21 @@ def compile_ttgir(kind: str, sparse: bool, arch: int = 90) -> tuple[str, int]:
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
                if sig[n].startswith("*") or (sig[n] == "i32" and (n.startswith("stride_") or n == "C"))}
     src = ASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()}, attrs=aligned)
-    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
-    return kernel.asm["ttgir"], kernel.metadata.shared
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+
+def ptxas_usage(ptx: str, arch: int = 90) -> dict:
+    """Registers per thread and bytes of spill stores, from the ptxas Triton compiles with (-v)."""
+    ptxas = get_ptxas(arch).path
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        out = subprocess.run([ptxas, f"-arch=sm_{arch}a", "-v", path, "-o", os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True, check=True)
+    info = out.stdout + out.stderr
+    return dict(registers=int(re.search(r"Used (\d+) registers", info).group(1)),
+                spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)))
 
 
 def loop_waits(ttgir: str) -> dict:
@@ -110,19 +129,22 @@ def main() -> None:
     args = ap.parse_args()
     for kind in args.kinds.split(","):
         for sparse in (False,) if kind == "dkdv_own" else (False, True):
-            ir, shared = compile_ttgir(kind, sparse)
+            kernel = compile_kernel(kind, sparse)
+            ir, shared = kernel.asm["ttgir"], kernel.metadata.shared
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)
                 with open(os.path.join(args.dump, f"{kind}-{'sparse' if sparse else 'dense'}.ttgir"), "w") as f:
                     f.write(ir)
-            row = dict(kernel=kind, sparse=sparse, triton=triton.__version__, shared_bytes=shared, **loop_waits(ir))
+            row = dict(kernel=kind, sparse=sparse, triton=triton.__version__, shared_bytes=shared, **loop_waits(ir),
+                       **ptxas_usage(kernel.asm["ptx"]))
             if args.json:
                 print(json.dumps(row))
             else:
                 stalls = sum(1 for n in row["waits"] if n == 0)
                 print(f"{kind:5s} {'sparse' if sparse else 'dense ':6s} waits in loops {row['waits']} "
                       f"({stalls} with nothing in flight), barrier waits {row['barrier_waits']}, "
-                      f"scalar loads in loops {row['scalar_loads_in_loops']}, {shared:,} B shared memory")
+                      f"scalar loads in loops {row['scalar_loads_in_loops']}, {shared:,} B shared memory, "
+                      f"{row['registers']} registers, {row['spill_bytes']} B spilled")
 
 
 if __name__ == "__main__":
