@@ -80,7 +80,7 @@ def _kernel(kind: str, sparse: bool) -> tuple:
 def compile_kernel(kind: str, sparse: bool, arch: int = 90):
     """A kernel compiled at the H200 launch settings (.asm: ttgir, ptx, ...; .metadata.shared)."""
     fn, ptrs, const, options = _kernel(kind, sparse)
-    const.update(SLOTS=paged.SLOT_BATCH)
+    const.update(SLOTS=paged.SLOT_BATCH, MAX_BLOCKS=32)
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     unknown = [n for n in fn.arg_names if n.isupper() and n not in const and n not in ptrs
                and n not in ("C", "H", "HKV")]

@@ -342,7 +342,7 @@ def _paged_attn_bwd_dkdv_pages(
     C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
     of the gradient pages, so the read-modify-write needs no atomics.
@@ -381,8 +381,12 @@ def _paged_attn_bwd_dkdv_pages(
         row = off_bkv.to(tl.int64) * n_pages + page
         tiles_per_block = block_q // BLOCK_M
         per_block = GROUP * tiles_per_block
-        for it in range(0, tl.load(NVisits + row) * per_block):
-            blk = tl.load(Visits + row * n_blocks + it // per_block)
+        # The visiting blocks in registers: a load in the loop would stall its pipeline.
+        n_visits = tl.load(NVisits + row)
+        offs_v = tl.arange(0, MAX_BLOCKS)
+        visits = tl.load(Visits + row * n_blocks + offs_v, mask=offs_v < n_visits, other=0)
+        for it in range(0, n_visits * per_block):
+            blk = _pick(visits, it // per_block, MAX_BLOCKS)
             off_h = off_kvh * GROUP + (it // tiles_per_block) % GROUP
             offs_m = blk * block_q + (it % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
             dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
@@ -775,7 +779,8 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
-            WINDOWED=pages.window > 0, **launch1,
+            WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
+            **launch1,
         )
 
     dk = dv = None
