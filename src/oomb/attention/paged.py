@@ -107,6 +107,20 @@ def _own_key_tiles(q_lo, window, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
 
 
 @triton.jit
+def _fwd_program(C, BLOCK_M: tl.constexpr, SPARSE: tl.constexpr):
+    """(query tile, b * H + head) of a forward program. Dense: a 2-D grid (tiles, B * H), a
+    head's tiles in a row. Top-k: a 1-D grid that starts the last query tiles (the most own
+    keys) of every head first, heads fastest, so the longest programs do not run last and a
+    KV group's heads, which read the same selected pages, run together (H200, top-k 64:
+    1.12 -> 1.06 ms; the dense forward in that order measured 2 % slower, so it keeps its grid)."""
+    if SPARSE:
+        n_bh = tl.num_programs(0) // tl.cdiv(C, BLOCK_M)
+        pid = tl.program_id(0)
+        return tl.cdiv(C, BLOCK_M) - 1 - pid // n_bh, pid % n_bh
+    return tl.program_id(0), tl.program_id(1)
+
+
+@triton.jit
 def _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph, stride_pn,
                PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr):
     """The t-th page key tile a query tile visits, its page in pool slot `slot`: the offset of
@@ -172,8 +186,7 @@ def _paged_attn_fwd(
 ):
     """TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)), so
     page tiles load through the tensor memory accelerator (TMA); else pointers."""
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    start_m, off_bh = _fwd_program(C, BLOCK_M, SPARSE)
     off_b = (off_bh // H).to(tl.int64)
     off_h = (off_bh % H).to(tl.int64)
     off_kvh = off_h // GROUP  # heads kv*G .. kv*G+G-1 share KV head kv (repeat_kv order)
@@ -702,8 +715,9 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     block_n = min(cfg["BLOCK_N"], page_size)  # P % BLOCK_N == 0 (both powers of two)
     o = torch.empty((b, h, c, d), dtype=o_dtype or q.dtype, device=q.device)
     lse = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
-    grid = (triton.cdiv(c, cfg["BLOCK_M"]), b * h)
     sp = _sparse_args(pages, c)
+    n_m = triton.cdiv(c, cfg["BLOCK_M"])
+    grid = (n_m * b * h,) if sp["SPARSE"] else (n_m, b * h)  # _fwd_program's launch orders
     _check_blocks(sp, cfg["BLOCK_M"])
     kp, vp, tma = pages.k, pages.v, _tma_pools(q, pages, d)
     if tma:
