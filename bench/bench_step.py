@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import PassClock, profiled, record, run_info  # noqa: E402
+from common import GpuMeter, PassClock, profiled, record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
 
@@ -141,6 +141,7 @@ def worker(args) -> None:
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
+        meter = GpuMeter(cuda)
         try:
             window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
             with profiled(profile, args.profile, args.impl, window or None) as prof:
@@ -161,12 +162,15 @@ def worker(args) -> None:
                        alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
                        # cudaMalloc calls during the step (the cache did not have a block): each costs
                        device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else None,
-                       host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1))
+                       host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+                       **meter.summary())
             if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
                 row["host_layers"] = step.host_layers()
                 row.update(clock.summary())
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
+        finally:
+            meter.stop()
         if profile and row["ok"]:
             row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
             row["profile_passes"] = args.profile_passes or None

@@ -71,6 +71,60 @@ class PassClock:
                 "stage1_chunk_ms": quarters(stage1), "stage2_chunk_ms": quarters(stage2)}
 
 
+class GpuMeter:
+    """The GPU's SM clock and power while a step runs, sampled by `nvidia-smi` every 200 ms
+    in a child process: a long training step on an H200 runs at its 700 W cap, where the clock
+    drops from 1,980 MHz to ~1,600-1,800 MHz, while a kernel benchmark's short bursts run at
+    full clock (docs/benchmarks.md, session 11). So a kernel's gain in bench_attention.py
+    shrinks in the step; these fields say how far each step was power-bound.
+
+    summary(): sm_mhz (mean), power_w (mean), power_capped (share of samples whose clock was
+    held down by the software power cap); {} where nvidia-smi is missing or printed nothing.
+    stop() ends the sampler without a summary (a step that failed)."""
+
+    POWER_CAP = 0x4  # clocks_event_reasons: SW power cap
+
+    def __init__(self, cuda: bool) -> None:
+        self.proc = None
+        if not cuda:
+            return
+        try:
+            gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+            self.proc = subprocess.Popen(
+                ["nvidia-smi", "-i", gpu, "--query-gpu=clocks.sm,power.draw,clocks_event_reasons.active",
+                 "--format=csv,noheader,nounits", "-lms", "200"],
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        except (OSError, AttributeError, RuntimeError):
+            self.proc = None
+
+    def summary(self) -> dict:
+        """Stop sampling; the means over the samples taken."""
+        return self.parse(self.stop())
+
+    def stop(self) -> str:
+        """End the sampler (again: nothing); what it printed."""
+        if self.proc is None:
+            return ""
+        proc, self.proc = self.proc, None
+        proc.terminate()
+        return proc.communicate()[0]
+
+    @classmethod
+    def parse(cls, text: str) -> dict:
+        samples = []
+        for line in text.splitlines():
+            try:
+                mhz, watts, reasons = (x.strip() for x in line.split(","))
+                samples.append((float(mhz), float(watts), int(reasons, 16)))
+            except ValueError:  # a header, a cut-off last line, "[N/A]"
+                continue
+        if not samples:
+            return {}
+        n = len(samples)
+        return {"sm_mhz": round(sum(s[0] for s in samples) / n), "power_w": round(sum(s[1] for s in samples) / n),
+                "power_capped": round(sum(bool(s[2] & cls.POWER_CAP) for s in samples) / n, 2)}
+
+
 def record(path: str, row: dict) -> None:
     """Print a result row and append it to the results file at once (a run cut short keeps
     every row it measured)."""

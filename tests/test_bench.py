@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -163,3 +164,32 @@ def test_engine_like_selection_indexes_the_candidates():
     assert picks.shape == (1, HKV, 32, 64) and picks.dtype == torch.uint8
     p = picks.long()
     assert (p[..., 0] == 0).all() and (p.diff(dim=-1) > 0).all() and p.max() < 256
+
+
+def test_gpu_meter_averages_nvidia_smi_samples(tmp_path, monkeypatch):
+    """bench_step.py's clock and power fields: nvidia-smi runs for the step's GPU (by UUID)
+    and its samples average, N/A lines skipped; without CUDA nothing runs."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from common import GpuMeter
+
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    f'echo "$@" > {tmp_path}/args\n'
+                    "echo '1980, 120.5, 0x0000000000000000'\n"
+                    "echo '1650, 695.5, 0x0000000000000004'\n"
+                    "echo '[N/A], [N/A], [N/A]'\n"
+                    "exec sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    props = type("Props", (), {"uuid": "1234-abcd"})()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    meter = GpuMeter(cuda=True)
+    for _ in range(100):  # until the fake has printed
+        if (tmp_path / "args").exists():
+            break
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert meter.summary() == {"sm_mhz": 1815, "power_w": 408, "power_capped": 0.5}
+    assert (tmp_path / "args").read_text().split()[:2] == ["-i", "GPU-1234-abcd"]
+    assert meter.stop() == "" and GpuMeter(cuda=False).summary() == {}
