@@ -9,6 +9,7 @@ counters), one after the other in the same command.
     python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
     python bench/bench_step.py --impls oomb,liger --oomb-liger --lengths 64K   # oomb with Liger's norm/MLP
     python bench/bench_step.py --impls oomb,liger --oomb-compile --lengths 64K  # oomb's layers via torch.compile
+    python bench/bench_step.py --impls oomb-sparse-auto --oomb-compile --float8 tensorwise --lengths 1M
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
@@ -31,7 +32,8 @@ from common import GpuMeter, PassClock, profiled, record, run_info  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
 
 
-def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda", oomb_liger: bool = False):
+def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda", oomb_liger: bool = False,
+          float8: str = "none"):
     from oomb.presets import load_model
 
     if liger:
@@ -54,6 +56,10 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
         attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
                                                            target_modules=attention))
+    if float8 != "none":  # torchao float8 GEMMs in the decoder layers' projections
+        from oomb.models.float8 import apply_float8
+
+        apply_float8(model, float8)
     return model
 
 
@@ -110,7 +116,8 @@ def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
     oomb_liger = args.oomb_liger and args.impl in OOMB_OFFLOAD
-    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger)
+    float8 = args.float8 if args.impl in OOMB_OFFLOAD else "none"
+    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, float8)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
@@ -134,7 +141,7 @@ def worker(args) -> None:
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
-               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers,
+               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": float8,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
@@ -199,6 +206,8 @@ def main() -> None:
     ap.add_argument("--checkpoint-layers", action="store_true", help="oomb: recompute each layer in backward")
     ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
     ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
+    ap.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
+                    help="oomb: the decoder layers' projections as torchao float8 GEMMs (oomb.models.float8)")
     ap.add_argument("--keep-attention", action="store_true",
                     help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
@@ -223,7 +232,7 @@ def main() -> None:
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
                "--param-grad-dtype", args.param_grad_dtype, "--profile-passes", args.profile_passes,
-               "--device", args.device]
+               "--device", args.device, "--float8", args.float8]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")
         if args.oomb_liger:

@@ -43,6 +43,7 @@ def _label(r: dict) -> str:
             + (" ckpt-layers" if r.get("checkpoint_layers") else "")
             + (" +liger" if r.get("liger") and r["impl"] != "liger" else "")
             + (" +compile" if r.get("compile") else "")
+            + (f" float8-{r['float8']}" if r.get("float8", "none") != "none" else "")
             + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
             + (" keep-attn" if r.get("keep_attention") else "")
             + (" fused-wgrad" if r.get("fused_weight_grads") else "")  # session 8, removed

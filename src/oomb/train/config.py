@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..models.float8 import RECIPES as FLOAT8_RECIPES
 from .data import BIN_DTYPES
 
 OPTIMIZERS = ("adamw", "adamw8bit")
@@ -34,8 +35,12 @@ class TrainConfig:
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
     liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
+    # none | tensorwise | rowwise: the decoder layers' projections as torchao float8 GEMMs (SM 8.9+ GPUs),
+    # scaled per chunk by that recipe (oomb.models.float8)
+    float8: str = "none"
     # torch.compile the layer pieces around attention (fused norms, RoPE, MLP); None: on under tensor
-    # parallelism (tp > 1), where DTensor's per-op dispatch otherwise leaves the GPU waiting on the host
+    # parallelism (tp > 1), where DTensor's per-op dispatch otherwise leaves the GPU waiting on the host,
+    # and with float8, whose casts to float8 then fuse into those pieces
     compile: bool | None = None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -61,7 +66,7 @@ class TrainConfig:
 
     @property
     def compile_layers(self) -> bool:
-        return self.tp > 1 if self.compile is None else self.compile
+        return self.tp > 1 or self.float8 != "none" if self.compile is None else self.compile
 
     def __post_init__(self) -> None:
         checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("grad_accum", self.grad_accum, 1),
@@ -84,6 +89,11 @@ class TrainConfig:
         if self.liger and self.tp > 1:
             raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
                              "inputs; train with tp=1 or without liger")
+        if self.float8 not in ("none", *FLOAT8_RECIPES):
+            raise ValueError(f"float8={self.float8!r} must be none, {' or '.join(FLOAT8_RECIPES)}")
+        if self.float8 != "none" and self.tp > 1:
+            raise ValueError(f"float8={self.float8!r} with tp={self.tp}: oomb's tensor-parallel plan splits plain "
+                             "Linear layers, not float8 ones; train with tp=1 or float8='none'")
         if self.data_dtype not in BIN_DTYPES:
             raise ValueError(f"data_dtype={self.data_dtype!r} must be one of {BIN_DTYPES}")
         if self.param_grad_dtype not in ("float32", "param"):

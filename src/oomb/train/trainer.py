@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from ..attention.sparse import TopKPages
 from ..engine import ChunkRecurrentEngine
+from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
                         init_distributed, local_tensor)
@@ -45,6 +46,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
         lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                target_modules=LORA_TARGETS)
         model = peft.get_peft_model(model, lora)
+    if cfg.float8 != "none":
+        apply_float8(model, cfg.float8)  # after LoRA: the frozen base projections only, not the adapters
     return model
 
 
@@ -181,7 +184,8 @@ def train(cfg: TrainConfig) -> list[float]:
                                       keep_attention=cfg.keep_attention)
     except ValueError as e:
         if cfg.compile is None and cfg.compile_layers:
-            raise ValueError(f"{e} (--compile is on by default with --tp {cfg.tp}: pass --no-compile)") from e
+            why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}"
+            raise ValueError(f"{e} (--compile is on by default with {why}: pass --no-compile)") from e
         raise
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
@@ -211,6 +215,7 @@ def train(cfg: TrainConfig) -> list[float]:
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
+              f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
               f"{'compiled layers, ' if cfg.compile_layers else ''}{'kept attention, ' if engine.keeps_attention else ''}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
