@@ -193,3 +193,22 @@ def test_gpu_meter_averages_nvidia_smi_samples(tmp_path, monkeypatch):
     assert meter.summary() == {"sm_mhz": 1815, "power_w": 408, "power_capped": 0.5}
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "GPU-1234-abcd"]
     assert meter.stop() == "" and GpuMeter(cuda=False).summary() == {}
+
+
+def test_atomic_partials_add_up(monkeypatch):
+    """bench_atomics.py's kernel (interpreter): every tile gets its `partials` adds, int64 sums
+    exact, fp32 equal to them."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from bench_atomics import run
+
+    tiles, partials, visits, m, d = 6, 4, 3, 4, 8
+    got = {mode: run(mode, tiles, partials, visits, m, d, "cpu")[0].view(tiles, m, d) for mode in ("int64", "fp32")}
+    programs = tiles * partials // visits
+    base = ((torch.arange(m)[:, None] * d + torch.arange(d)[None, :]) % 7 + 1).double() * 0.25
+    expect = torch.zeros(tiles, m, d, dtype=torch.float64)
+    for p in range(programs):
+        for i in range(visits):
+            expect[(p * visits + i) % tiles] += base + p
+    assert torch.equal(got["int64"], (expect * 1024).long())
+    assert torch.allclose(got["fp32"].double(), expect)
