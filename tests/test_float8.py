@@ -88,3 +88,18 @@ def test_float8_training_runs(capsys):
                                float8="tensorwise", compile=False))
     assert len(losses) == 1 and losses[0] == losses[0]
     assert "float8 tensorwise layers" in capsys.readouterr().out
+
+
+def test_compiled_float8_layers_equal_eager():
+    """compile_layers=True traces torchao's float8 matmuls into the layer pieces (Inductor, CPU
+    here): the same loss and gradients as eager float8 layers (measured 3e-6)."""
+    ids = batch()
+    runs = []
+    for compiled in (False, True):
+        model = make_model("qwen2")
+        apply_float8(model)
+        runs.append(engine_grads(model, ids, chunk_size=64, compile_layers=compiled))
+    (loss0, g0), (loss1, g1) = runs
+    assert rel_err(loss1, loss0) <= 1e-5
+    worst = max(g0, key=lambda n: rel_err(g1[n], g0[n]))
+    assert rel_err(g1[worst], g0[worst]) <= 1e-4, worst
