@@ -47,7 +47,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
                                target_modules=LORA_TARGETS)
         model = peft.get_peft_model(model, lora)
     if cfg.float8 != "none":
-        apply_float8(model, cfg.float8)  # after LoRA: the frozen base projections only, not the adapters
+        apply_float8(model, cfg.float8)  # after LoRA: a wrapped projection's base layer, not its adapters
     return model
 
 
