@@ -9,7 +9,7 @@ counters), one after the other in the same command.
     python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
     python bench/bench_step.py --impls oomb,liger --oomb-liger --lengths 64K   # oomb with Liger's norm/MLP
     python bench/bench_step.py --impls oomb,liger --oomb-compile --lengths 64K  # oomb's layers via torch.compile
-    python bench/bench_step.py --impls oomb-sparse-auto --oomb-compile --float8 tensorwise --lengths 1M
+    python bench/bench_step.py --impls oomb,liger --oomb-compile --float8 tensorwise --lengths 64K  # both float8
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
@@ -116,8 +116,7 @@ def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
     oomb_liger = args.oomb_liger and args.impl in OOMB_OFFLOAD
-    float8 = args.float8 if args.impl in OOMB_OFFLOAD else "none"
-    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, float8)
+    model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, args.float8)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
@@ -141,7 +140,7 @@ def worker(args) -> None:
                "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
                "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
-               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": float8,
+               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": args.float8,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
@@ -207,7 +206,7 @@ def main() -> None:
     ap.add_argument("--oomb-liger", action="store_true", help="oomb: Liger's RMSNorm and SwiGLU in the model")
     ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
     ap.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
-                    help="oomb: the decoder layers' projections as torchao float8 GEMMs (oomb.models.float8)")
+                    help="every impl: the decoder layers' projections as torchao float8 GEMMs (oomb.models.float8)")
     ap.add_argument("--keep-attention", action="store_true",
                     help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
