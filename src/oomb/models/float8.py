@@ -11,9 +11,9 @@ Numerics: each GEMM input is scaled to float8 by its own amax ("tensorwise": one
 tensor; "rowwise": one per row, more accurate and slower). oomb's inputs are a chunk's tokens,
 so the scales are per chunk: one chunk gives exactly transformers' full-sequence float8
 gradients; several give float8 training with per-chunk scales, about as far from exact as
-full-sequence float8 training is (tiny model, 4 chunks: 0.14 vs 0.12 relative, tests/test_float8.py). Float8 GEMMs need an SM 8.9+ GPU (Ada,
-Hopper) or the CPU; run the layers compiled (`compile_layers=True`, `--compile`) so the casts
-fuse.
+full-sequence float8 training is (tiny model, 4 chunks: 0.14 vs 0.12 relative,
+tests/test_float8.py). Float8 GEMMs need an SM 8.9+ GPU (Ada, Hopper) or the CPU; run the
+layers compiled (`compile_layers=True`, `--compile`) so the casts fuse.
 """
 from __future__ import annotations
 
@@ -37,10 +37,10 @@ def apply_float8(model: nn.Module, recipe: str = "tensorwise") -> int:
         raise ImportError("float8 layers need torchao: pip install torchao") from e
     causal_lm = unwrap_peft(model)
     device = next(causal_lm.parameters()).device
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        name = torch.cuda.get_device_name(device)
-        raise ValueError(f"float8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); {name} is "
-                         f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; leave float8 off")
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if capability is not None and capability < (8, 9):
+        raise ValueError(f"float8 GEMMs need a GPU of compute capability 8.9 or newer (Ada, Hopper); "
+                         f"{torch.cuda.get_device_name(device)} is {'.'.join(map(str, capability))}; leave float8 off")
     layers = causal_lm.model.layers
 
     def swap(module: nn.Module, fqn: str) -> bool:
