@@ -316,7 +316,7 @@ class _HostGroups:
 # layer's candidates) could keep most SMs from the compute a transfer is meant to overlap. 32
 # programs, each moving 32 KiB per load, still fill PCIe (bench_copy.py on an H200: gather /
 # scatter 50.1 / 51.7 GB/s, one program per row 49.6 / 51.3); fewer: `bench_copy.py --programs`.
-COPY_PROGRAMS = 32
+COPY_PROGRAMS = 8
 
 
 @triton.jit
