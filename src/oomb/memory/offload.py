@@ -312,10 +312,11 @@ class _HostGroups:
 
 
 # Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block
-# (a whole SM's registers) cannot share the SM with it, so one program per row (256 for a sparse
-# layer's candidates) could keep most SMs from the compute a transfer is meant to overlap. 32
-# programs, each moving 32 KiB per load, still fill PCIe (bench_copy.py on an H200: gather /
-# scatter 50.1 / 51.7 GB/s, one program per row 49.6 / 51.3); fewer: `bench_copy.py --programs`.
+# (a whole SM's registers) cannot share the SM with it, so every program beyond what fills PCIe
+# keeps an SM from the compute a transfer is meant to overlap. 8 programs, each moving 32 KiB per
+# load, fill it (bench_copy.py on an H200: gather / scatter 49.4-51.1 / 51.9-52.3 GB/s at 8, 16
+# and 32 programs). 1M top-k step with every layer's pages on the host ('all'), 8 vs 32 programs:
+# float8 146.8 vs 155.1 s, bf16 169.8 vs 171.9 s (docs/benchmarks.md).
 COPY_PROGRAMS = 8
 
 
