@@ -80,7 +80,7 @@ def test_shorter_step_keeps_the_pinned_arena():
 
 def test_host_memory_is_checked_before_the_step(monkeypatch):
     import oomb.engine
-    monkeypatch.setattr(oomb.engine, "available_host_bytes", lambda: 4 * 2**20)
+    monkeypatch.setattr(oomb.placement, "available_host_bytes", lambda: 4 * 2**20)
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all")
     # 2 layers x 4 KiB a page (K, V, dK, dV fp32: 1 KV head x 16 tokens x 16 dims) / 16 tokens
