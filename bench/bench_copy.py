@@ -4,10 +4,15 @@ contiguous pinned range (the copy engines), in GB/s.
 
     python bench/bench_copy.py            # 256 rows of one Qwen2.5-7B page (4 x 128 x 128)
     python bench/bench_copy.py --programs 8,16,32   # the gather/scatter on fewer programs (SMs)
+    python bench/bench_copy.py --gemm               # a layer's GEMMs beside a running gather
 
 A copy program waiting on PCIe holds an SM that a GEMM's block (a whole SM's registers) cannot
 share, so the fewest programs that still fill the link are the best for a step that overlaps
-copies with compute.
+copies with compute. `--gemm` times the GEMMs of a Qwen2.5-7B layer (a 4,096-token chunk: forward,
+input and weight gradients) alone and while the gather kernel runs on another stream, with cuBLAS
+free to use every SM or told to leave the copy's SMs (`torch._C._set_sm_carveout_experimental`;
+cuBLASLt honours it, so the GEMMs go through cuBLASLt): a GEMM sized to fill every SM in one wave
+needs a second wave when some SMs are held.
 """
 from __future__ import annotations
 
@@ -31,6 +36,55 @@ def gbps(fn, n_bytes: int, reps: int = 20) -> float:
     return n_bytes * reps / (time.perf_counter() - t0) / 1e9
 
 
+def gemm_ms(fn, reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def gemms_beside_copies(programs: int, tokens: int = 4096, hidden: int = 3584, mlp: int = 18944) -> None:
+    """Each GEMM of a 7B layer: ms alone and beside a gather, without and with an SM carveout."""
+    offload.COPY_PROGRAMS = programs
+    dev = torch.device("cuda")
+    t = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    x, h, w_up, w_down, w_q = t(tokens, hidden), t(tokens, mlp), t(mlp, hidden), t(hidden, mlp), t(hidden, hidden)
+    g_up = t(tokens, mlp)
+    shapes = {
+        "x @ Wup^T (fwd)": lambda: torch.nn.functional.linear(x, w_up),
+        "h @ Wdown^T (fwd)": lambda: torch.nn.functional.linear(h, w_down),
+        "x @ Wq^T (fwd)": lambda: torch.nn.functional.linear(x, w_q),
+        "dY @ Wup (dX)": lambda: g_up @ w_up,
+        "dY^T @ x (dW)": lambda: g_up.t() @ x,
+    }
+    row_elems = 4 * 128 * 128
+    host = torch.empty(8192, row_elems, dtype=torch.bfloat16).pin_memory()
+    staging = torch.empty(2048, row_elems, dtype=torch.bfloat16, device=dev)
+    rows = torch.randperm(8192, device=dev)[:2048]
+    side = torch.cuda.Stream(dev)
+    for name, fn in shapes.items():
+        reps = max(1, int(20 / gemm_ms(fn, 3)))  # ~20 ms of GEMMs
+        row = {}
+        for blas, carveout in (("cublas", None), ("cublaslt", None), ("cublaslt", programs)):
+            torch.backends.cuda.preferred_blas_library(blas)
+            torch._C._set_sm_carveout_experimental(carveout)
+            label = blas + ("" if carveout is None else f" carveout {carveout}")
+            gemm_ms(fn, 3)  # a new setting's first calls choose (and may build) their kernels
+            row[f"{label} alone"] = gemm_ms(fn, reps)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # ~40 ms of gathers, longer than the GEMMs beside them
+                for _ in range(8):
+                    copy_rows(host, rows, staging, None)
+            row[f"{label} beside copy"] = gemm_ms(fn, reps)
+            torch.cuda.synchronize()
+        torch._C._set_sm_carveout_experimental(None)
+        torch.backends.cuda.preferred_blas_library("default")
+        print(f"{name:18s} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()) + " ms", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=256)
@@ -38,7 +92,13 @@ def main() -> None:
     ap.add_argument("--row-elems", type=int, default=4 * 128 * 128)
     ap.add_argument("--programs", default=str(offload.COPY_PROGRAMS),
                     help="comma-separated program counts of the gather/scatter kernel to time")
+    ap.add_argument("--gemm", action="store_true", help="time a 7B layer's GEMMs beside a gather (see above)")
     args = ap.parse_args()
+    if args.gemm:
+        for programs in map(int, args.programs.split(",")):
+            print(f"gather on {programs} programs, carveout {programs} SMs:")
+            gemms_beside_copies(programs)
+        return
     for programs, dtype in itertools.product(map(int, args.programs.split(",")), (torch.bfloat16, torch.float32)):
         offload.COPY_PROGRAMS = programs
         host = torch.randn(args.host_rows, args.row_elems).to(dtype).pin_memory()
