@@ -34,12 +34,12 @@ from .placement import PagePlacement
 OFFLOAD_MODES = ("none", "all", "auto")
 
 # Stage 2's backward loads a sparse host layer's pages and dK/dV for the layer below it. Off (the
-# default): when this layer's backward starts, so the gather (8 SMs for ~2.6 ms at 7B, 1M) starts
-# on the GPU as soon as its buffer is free and runs beside this layer's MLP GEMMs, which it slows by
-# 24-61 % (bench_copy.py --gemm; a one-wave GEMM needs a second wave). On (OOMB_LOADS_BESIDE_ATTENTION=1):
-# when this layer's attention backward starts, on the GPU too, beside its multi-wave attention
-# kernels, which lose ~6 % of their SMs meanwhile. Not yet timed in a step (predicted: a 1M 'all'
-# step -3 to -5 s); the default follows that measurement.
+# default): when this layer's backward starts, so the gather (8 SMs for ~3-5 ms at 7B, 1M) starts on
+# the GPU as soon as its buffer is free, beside the QKV GEMMs above and this layer's MLP GEMMs, which
+# it slows by 9-61 % (bench_copy.py --gemm: a one-wave GEMM needs a second wave). On
+# (OOMB_LOADS_BESIDE_ATTENTION=1): when this layer's attention backward starts, on the GPU too, beside
+# its multi-wave attention kernels, which lose ~6 % of their SMs meanwhile. Not yet timed in a step
+# (predicted: a 1M 'all' step -3 to -5 s); the default follows that measurement.
 LOADS_BESIDE_ATTENTION = os.environ.get("OOMB_LOADS_BESIDE_ATTENTION", "0") == "1"
 
 
