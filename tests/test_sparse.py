@@ -144,16 +144,15 @@ def test_stage2_loads_the_next_host_layer_ahead(monkeypatch, beside_attention):
         yield from call(self, with_grad)
     monkeypatch.setattr(offload._HostGroups, "__call__", use)
     model, layers = make_model("qwen2", layers=3), 3
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=oomb.TopKPages(
-        budget=2, block_queries=32, chunk_budget=3), group_pages=3, offload="all")
+    cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=cfg, group_pages=3, offload="all")
     loss = engine.forward_backward(batch(), progress=lambda done, total: events.append(("pass", done, total, None))).loss
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     # and the same loss and gradients as the device pool, whichever moment the loads start
     model.zero_grad()
-    loss_pool = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=oomb.TopKPages(
-        budget=2, block_queries=32, chunk_budget=3), group_pages=3).forward_backward(batch()).loss
+    _, loss_pool, grads_pool = run(model, batch(), cfg, group_pages=3)
     assert torch.equal(loss, loss_pool)
-    assert all(torch.equal(grads[n], p.grad) for n, p in model.named_parameters())
+    assert all(torch.equal(grads[n], grads_pool[n]) for n in grads)
     passes = [i for i, e in enumerate(events) if e[0] == "pass"]
     n_chunks = (len(passes) + 1) // 2
     checked = 0
