@@ -78,19 +78,13 @@ def test_offload_with_layer_recomputation_identical(wide_model):
 
 
 def assert_offload_modes_identical(model, ids, **engine_kwargs):
-    """Two runs with offload 'none', one 'all' (twice: the second with stage 2's backward loads
-    started beside the attention backward, LOADS_BESIDE_ATTENTION), one 'auto' (one of the 2
-    layers on the host): torch.equal losses and gradients (deterministic kernels, exact transfers)."""
+    """Two runs with offload 'none', one 'all', one 'auto' (one of the 2 layers on the host):
+    torch.equal losses and gradients (deterministic kernels, exact transfers)."""
     runs = {}
     for name, kwargs in [("none", {}), ("none again", {}), ("all", {"offload": "all"}),
-                         ("all, loads beside attention", {"offload": "all"}),
                          ("auto", {"offload": "auto", "gpu_page_budget_bytes": 40 * PAGE_BYTES})]:
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=1024, page_size=128, **engine_kwargs, **kwargs)
-        default, oomb.engine.LOADS_BESIDE_ATTENTION = oomb.engine.LOADS_BESIDE_ATTENTION, "beside" in name
-        try:
-            runs[name] = (engine.forward_backward(ids).loss, grads_of(model))
-        finally:
-            oomb.engine.LOADS_BESIDE_ATTENTION = default
+        runs[name] = (engine.forward_backward(ids).loss, grads_of(model))
     loss0, g0 = runs["none"]
     for name, (loss, g) in runs.items():
         assert torch.equal(loss, loss0), name

@@ -122,33 +122,28 @@ def test_sparse_offload_identical_to_device_pool(backend):
     assert all(torch.equal(grads[n], grads_auto[n]) for n in grads)
 
 
-@pytest.mark.parametrize("beside_attention", [False, True])
-def test_stage2_loads_the_next_host_layer_ahead(monkeypatch, beside_attention):
+def test_stage2_loads_the_next_host_layer_ahead(monkeypatch):
     """Stage 2 knows every layer's selection: while a host layer's gathered pages are in use,
     the next layer's are already loading into the other staging buffer (forward: the layer
     above, without dK/dV; backward: the layer below, with them). The last chunk selects in
-    stage 2, so its forward cannot look ahead; the first chunk has no earlier pages.
-    LOADS_BESIDE_ATTENTION: the backward's load starts as the attention backward above it does,
-    after the compute queued before it (on the GPU: beside the attention kernels)."""
-    from oomb import engine as engine_module
+    stage 2, so its forward cannot look ahead; the first chunk has no earlier pages. The offloaded
+    step's loss and gradients equal the device pool's."""
     from oomb.memory import offload
 
-    monkeypatch.setattr(engine_module, "LOADS_BESIDE_ATTENTION", beside_attention)
     events = []
     begin, call = offload._HostGroups._begin, offload._HostGroups.__call__
-    monkeypatch.setattr(offload._HostGroups, "_begin", lambda self, g, after=False: events.append(
-        ("load", self.layer, g, after)) or begin(self, g, after))
+    monkeypatch.setattr(offload._HostGroups, "_begin",
+                        lambda self, g: events.append(("load", self.layer, g)) or begin(self, g))
 
     def use(self, with_grad):
-        events.append(("use", self.layer, with_grad, None))
+        events.append(("use", self.layer, with_grad))
         yield from call(self, with_grad)
     monkeypatch.setattr(offload._HostGroups, "__call__", use)
     model, layers = make_model("qwen2", layers=3), 3
     cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=cfg, group_pages=3, offload="all")
-    loss = engine.forward_backward(batch(), progress=lambda done, total: events.append(("pass", done, total, None))).loss
+    loss = engine.forward_backward(batch(), progress=lambda done, total: events.append(("pass", done, total))).loss
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    # and the same loss and gradients as the device pool, whichever moment the loads start
     model.zero_grad()
     _, loss_pool, grads_pool = run(model, batch(), cfg, group_pages=3)
     assert torch.equal(loss, loss_pool)
@@ -158,14 +153,11 @@ def test_stage2_loads_the_next_host_layer_ahead(monkeypatch, beside_attention):
     checked = 0
     for p in range(n_chunks - 1, 2 * n_chunks - 2):  # stage 2's passes, chunks n - 1 .. 1
         window = events[passes[p - 1] + 1 : passes[p]]
-        for k, (kind, layer, with_grad, _) in enumerate(window):
+        for k, (kind, layer, with_grad) in enumerate(window):
             nxt = layer - 1 if with_grad else layer + 1
             if kind != "use" or not 0 <= nxt < layers or (p == n_chunks - 1 and not with_grad):
                 continue
-            load = ("load", nxt, with_grad, with_grad and beside_attention)
-            assert load in window[:k], (p, layer, with_grad, window)
-            if with_grad and beside_attention:  # issued as this layer's attention backward starts
-                assert window[k - 1] == load, (p, layer, window)
+            assert ("load", nxt, with_grad) in window[:k], (p, layer, with_grad, window)
             checked += 1
     assert checked == 2 * (layers - 1) * (n_chunks - 2) + (layers - 1)
 

@@ -15,7 +15,6 @@ needs no stage 1: nothing after it reads its pages.
 from __future__ import annotations
 
 import functools
-import os
 from collections import deque
 from dataclasses import dataclass
 
@@ -32,15 +31,6 @@ from .models import adapter_for
 from .placement import PagePlacement
 
 OFFLOAD_MODES = ("none", "all", "auto")
-
-# Stage 2's backward loads a sparse host layer's pages and dK/dV for the layer below it. Off (the
-# default): when this layer's backward starts, so the gather (8 SMs for ~3-5 ms at 7B, 1M) starts on
-# the GPU as soon as its buffer is free, beside the QKV GEMMs above and this layer's MLP GEMMs, which
-# it slows by 9-61 % (bench_copy.py --gemm: a one-wave GEMM needs a second wave). On
-# (OOMB_LOADS_BESIDE_ATTENTION=1): when this layer's attention backward starts, on the GPU too, beside
-# its multi-wave attention kernels, which lose ~6 % of their SMs meanwhile. Not yet timed in a step
-# (predicted: a 1M 'all' step -3 to -5 s); the default follows that measurement.
-LOADS_BESIDE_ATTENTION = os.environ.get("OOMB_LOADS_BESIDE_ATTENTION", "0") == "1"
 
 
 @dataclass
@@ -294,13 +284,13 @@ class ChunkRecurrentEngine(PagePlacement):
         # a host layer's transfer hides behind the whole layer before it (forward and backward).
         ahead: dict[int, object] = {}  # layer -> its groups, made (and loading) one layer early
 
-        def look_ahead(i: int, j: int, with_grad: bool, after_compute: bool = False) -> None:
+        def look_ahead(i: int, j: int, with_grad: bool) -> None:
             if self.checkpoint_layers or not 0 <= j < a.n_layers or self.sparse is None or a.window(i):
                 return
             if ahead.get(j) is None:
                 ahead[j] = self._known_groups(c, j, first_page)  # None: selected by its own q (the last chunk)
             if ahead[j] is not None:
-                ahead[j].prefetch(with_grad, after_compute)
+                ahead[j].prefetch(with_grad)
 
         def layer_step(i, layer, h, cos, sin):
             q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True,
@@ -310,10 +300,7 @@ class ChunkRecurrentEngine(PagePlacement):
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
-            attended = groups
-            if LOADS_BESIDE_ATTENTION:
-                attended = _LoadingBelow(groups, functools.partial(look_ahead, i, i - 1, True, True))
-            o = paged_attention(q, k, v, attended, a.scale, self.backend, a.sinks(layer), known=self._kept.get((c, i)))
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self._kept.get((c, i)))
             return a.finish_layer(layer, h, o), groups
 
         with torch.enable_grad():
@@ -339,8 +326,7 @@ class ChunkRecurrentEngine(PagePlacement):
     @staticmethod
     def _backward_starts(groups, look_ahead, i: int, grad: torch.Tensor) -> None:
         groups.prefetch(True)
-        if not LOADS_BESIDE_ATTENTION:
-            look_ahead(i, i - 1, True)
+        look_ahead(i, i - 1, True)
 
     def _known_groups(self, c: int, i: int, n_pages: int):
         """The groups of earlier pages layer i of chunk c reads, when they are known before its
@@ -421,20 +407,6 @@ class ChunkRecurrentEngine(PagePlacement):
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.device)
-
-
-class _LoadingBelow:
-    """A layer's page groups as its attention reads them; when its backward asks for them (with
-    dK/dV), the layer below's pages start loading first, on the GPU after the compute queued so
-    far: beside this attention's backward kernels (LOADS_BESIDE_ATTENTION)."""
-
-    def __init__(self, groups, load_below) -> None:
-        self.groups, self.load_below = groups, load_below
-
-    def __call__(self, with_grad: bool):
-        if with_grad:
-            self.load_below()
-        return self.groups(with_grad)
 
 
 class _GradSums:

@@ -194,13 +194,13 @@ class HostPages:
     # -- transfers ------------------------------------------------------------------------
 
     def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool,
-              rows: torch.Tensor | None = None, after_compute: bool = False) -> None:
+              rows: torch.Tensor | None = None) -> None:
         """Stage pages [start, end) of `layer` (or the host rows `rows`: a gather) in `buf`."""
         start, end = span
         n = (end - start) * self.batch
         host = self.arena[layer]
         staged = self.staging[buf]
-        with self._on_copy_stream(after_compute):
+        with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
@@ -259,19 +259,17 @@ class _HostGroups:
                 self.rows.record_stream(host.copy_stream)
                 self.rows.record_stream(host.d2h_stream)
 
-    def prefetch(self, with_grad: bool, after_compute: bool = False) -> None:
+    def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it.
         Two groups can be loading or loaded at once (one per staging buffer): the engine asks for
-        the next layer's while this one's are in use. after_compute: the copy starts on the GPU
-        only when the compute queued so far is done, so that it runs beside what is queued next
-        (an attention kernel) rather than as soon as its buffer is free (beside GEMMs)."""
+        the next layer's while this one's are in use."""
         if self.spans and self._key(with_grad) not in self.host._prefetched.values():
-            self.host._prefetched[self._begin(with_grad, after_compute)] = self._key(with_grad)
+            self.host._prefetched[self._begin(with_grad)] = self._key(with_grad)
 
     def _key(self, with_grad: bool) -> tuple:
         return self.layer, with_grad, self.spans[0], id(self.rows)
 
-    def _begin(self, with_grad: bool, after_compute: bool = False) -> int:
+    def _begin(self, with_grad: bool) -> int:
         """Load the first group into the next staging buffer; returns the buffer."""
         host = self.host
         buf, host._next = host._next, 1 - host._next
@@ -281,7 +279,7 @@ class _HostGroups:
                 host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
             if self.rows is not None:
                 host.copy_stream.wait_event(self.rows_ready)
-        host._load(buf, self.layer, self.spans[0], with_grad, self.rows, after_compute)
+        host._load(buf, self.layer, self.spans[0], with_grad, self.rows)
         return buf
 
     def __call__(self, with_grad: bool):

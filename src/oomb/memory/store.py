@@ -222,7 +222,7 @@ class _PoolGroups:
         self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
         self.group_pages = group_pages
 
-    def prefetch(self, with_grad: bool, after_compute: bool = False) -> None:
+    def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
 
     def __call__(self, with_grad: bool):
