@@ -61,13 +61,17 @@ def step_table(rows: list[dict]) -> str:
         for r in run:
             runs[key + (r.get("model", "qwen2.5-7b"), r.get("lora_rank") or 0, r.get("layers", 28))].append(r)
     for (commit, date, gpu, *_), run in runs.items():
+        run = _chunk_labels(run)
+
         def rank(i):
             base = i.split(" ")[0]
             return IMPL_ORDER.index(base) if base in IMPL_ORDER else len(IMPL_ORDER), i
 
         impls = sorted({r["impl"] for r in run}, key=rank)
         lengths = sorted({r["seq_len"] for r in run if "seq_len" in r})
-        cell = {(r["impl"], r.get("seq_len")): r for r in run}
+        cell = defaultdict(list)  # repeats of a configuration (A/B pairs on two GPUs) side by side
+        for r in run:
+            cell[(r["impl"], r.get("seq_len"))].append(r)
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, "
                    f"triton {run[0].get('triton')}, transformers {run[0].get('transformers')}.\n")
         out.append(_settings(run, impls) + "\n")
@@ -76,17 +80,23 @@ def step_table(rows: list[dict]) -> str:
         for n in lengths:
             cells = []
             for i in impls:
-                r = cell.get((i, n))
-                if r is None:
-                    cells += ["", ""]
-                elif r.get("ok"):
-                    peak = "n/a" if r.get("peak_note") or r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
-                    cells += [f"{r['tok_s']:,.0f} ({r['step_s']:g} s)", peak]
-                else:
-                    cells += ["OOM" if "memory" in r.get("error", "").lower() else "failed", ""]
+                rs = cell.get((i, n), [])
+                speeds = " / ".join(f"{r['tok_s']:,.0f} ({r['step_s']:g} s)" if r.get("ok") else
+                                    "OOM" if "memory" in r.get("error", "").lower() else "failed" for r in rs)
+                peaks = sorted({"n/a" if r.get("peak_note") or r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
+                                for r in rs if r.get("ok")})
+                cells += [speeds, " / ".join(peaks)]
             out.append(f"| {_k(n)} | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def _chunk_labels(run: list[dict]) -> list[dict]:
+    """A configuration run at several chunk sizes gets a column per size."""
+    sizes = defaultdict(set)
+    for r in run:
+        sizes[r["impl"]].add(r.get("chunk_size"))
+    return [{**r, "impl": f"{r['impl']} chunk {r['chunk_size']}"} if len(sizes[r["impl"]]) > 1 else r for r in run]
 
 
 def _settings(run: list[dict], impls: list[str]) -> str:
@@ -98,7 +108,7 @@ def _settings(run: list[dict], impls: list[str]) -> str:
     parts = []
     for i in impls:
         r = next(r for r in run if r["impl"] == i)
-        if r.get("chunk_size"):
+        if r.get("chunk_size") and " chunk " not in i:  # else the column names it
             parts.append(f"{i}: chunk {r['chunk_size']}")
     return f"{model}, {first.get('layers', 28)} layers" + ("; " + "; ".join(parts) if parts else "") + "."
 

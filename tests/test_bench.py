@@ -77,6 +77,24 @@ def test_bench_parallel_smoke(tmp_path):
     assert dp2.split(" | ")[7].endswith("%")  # DP efficiency against the 1-process row
 
 
+def test_step_table_shows_repeats_and_chunk_sizes():
+    """report.py: a configuration measured twice in one run (an A/B pair on two GPUs) shows both
+    figures, and one run at several chunk sizes gets a column per size (no row hides another)."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from report import step_table
+
+    def row(impl, chunk, step_s, peak):
+        return {"impl": impl, "chunk_size": chunk, "seq_len": 2**18, "ok": True, "step_s": step_s,
+                "tok_s": 2**18 / step_s, "peak_gib": peak, "commit": "abcdef0", "date": "2026-11-30", "gpu": "H"}
+    rows = [row("oomb-sparse-all", 4096, 40.5, 49.2), row("oomb-sparse-all", 4096, 41.0, 49.2),
+            row("oomb-sparse-auto", 2048, 38.8, 67.2), row("oomb-sparse-auto", 4096, 37.6, 76.3)]
+    lines = step_table(rows).splitlines()
+    header = next(line for line in lines if line.startswith("| context"))
+    assert "oomb-sparse-auto chunk 2048 tok/s" in header and "oomb-sparse-auto chunk 4096 tok/s" in header
+    cells = next(line for line in lines if line.startswith("| 256K")).split(" | ")
+    assert cells[1:] == ["6,473 (40.5 s) / 6,394 (41 s)", "49.2", "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
+
+
 def test_trace_gaps_summary(tmp_path):
     """trace_gaps.py on a hand-made trace: busy time per stream, the compute stream's idle
     time and the part of it the copy streams filled, host waits, the kernels the idle time
