@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .memory.offload import available_host_bytes
-from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan, sparse_scores_bytes
+from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan
 
 
 class PagePlacement:
@@ -75,10 +75,6 @@ class PagePlacement:
                            dtype=self.spec.dtype, trainable_params=trainable,
                            checkpoint_layers=self.checkpoint_layers,
                            n_params=sum(p.numel() for p in self.model.parameters())).working_set
-        if self.sparse is not None:  # one layer's dS in backward, this rank's query heads
-            heads = self.adapter.local_kv_heads * (self.adapter.n_heads // self.adapter.n_kv_heads)
-            working_set += sparse_scores_bytes(self.sparse, 1, self.chunk_size, heads, self.sparse.budget,
-                                               self.page_size, self.spec.dtype.itemsize)
         summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
         grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
                     if p.requires_grad and p.grad is None and p not in summed)

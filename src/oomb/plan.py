@@ -34,13 +34,11 @@ class MemoryPlan:
     representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
     kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (on the GPU)
-    sparse_scores: int = 0  # sparse: one layer's attention score gradients in backward (transient)
 
     @property
     def working_set(self) -> int:
         """Device bytes one chunk's compute needs beside weights, gradients and pages."""
-        return (self.chunk_activations + self.logits_slice + self.head_logit_grads + self.embedding_grad
-                + self.sparse_scores)
+        return self.chunk_activations + self.logits_slice + self.head_logit_grads + self.embedding_grad
 
     @property
     def pages(self) -> int:
@@ -65,8 +63,7 @@ class MemoryPlan:
                 ("logits slice + grad", self.logits_slice),
                 ("head's logit gradients", self.head_logit_grads), ("embedding gradient (transient)", self.embedding_grad)]
         if self.representatives or self.selections:
-            rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections),
-                     ("sparse score gradients (transient)", self.sparse_scores)]
+            rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections)]
         if self.kept_attention:
             rows.append(("kept attention outputs", self.kept_attention))
         rows.append(("total", self.total))
@@ -137,8 +134,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
-        **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, heads, kv_heads, head_dim,
-                        page_size, item, n_full),
+        **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
 
@@ -149,8 +145,8 @@ def kept_attention_bytes(stored_chunks: int, n_layers: int, batch: int, chunk_si
     return stored_chunks * (n_layers - 1) * batch * chunk_size * heads * (head_dim * item + 4)
 
 
-def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, heads, kv_heads, head_dim,
-                  page_size, item, n_full) -> dict:
+def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item,
+                  n_full) -> dict:
     """Representatives of every stored page, and each chunk's selection (attention/sparse.py:
     int32 candidates, per-block picks in the smallest type that indexes them), full layers."""
     if sparse is None:
@@ -165,18 +161,7 @@ def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, hea
         index = 1 if cand <= 256 else 2 if cand <= 2**15 else 4
         blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
         chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
-    return {"representatives": n_full * reps, "selections": n_full * chosen,
-            "sparse_scores": sparse_scores_bytes(sparse, batch, min(chunk_size, seq_len), heads,
-                                                 min(sparse.budget, (n_chunks - 1) * chunk_pages), page_size, item)}
-
-
-def sparse_scores_bytes(sparse, batch: int, chunk_size: int, heads: int, pages: int, page_size: int, item: int) -> int:
-    """The sparse backward's dS, which the Triton dK/dV kernel passes to the dQ kernel: every
-    query's over its `pages` selected pages, one layer at a time (attention/paged.py _store_ds)."""
-    if sparse is None:
-        return 0
-    blocks = -(-chunk_size // sparse.block_queries)
-    return batch * heads * blocks * sparse.block_queries * pages * page_size * item
+    return {"representatives": n_full * reps, "selections": n_full * chosen}
 
 
 def _window(config, layer: int) -> int:

@@ -43,9 +43,6 @@ MAX_HEAD_DIM = 256
 # The forward loads page tiles through tensor descriptors where it can (_tma_pools): +10 % forward
 # TFLOP/s on the H200 (docs/benchmarks.md). OOMB_TMA=0 turns it off.
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
-# Sparse backward: the dK/dV kernel stores dS (the inputs' dtype) for the dQ kernel, which then
-# does one product a key tile instead of three (_store_ds). OOMB_STORE_DS=0 turns it off.
-STORE_DS = os.environ.get("OOMB_STORE_DS", "1") != "0"
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -166,30 +163,26 @@ def _page_visits(pages: LayerPages) -> dict:
 
     Visits (B, Hkv, n_pages, n_blocks) int32: a page's choosing blocks first, ascending;
     NVisits (B, Hkv, n_pages) int32: how many; Order (B, Hkv, n_pages) int32: the pages, most
-    visited first (the longest programs start first); Entries (B, Hkv, n_pages, n_blocks) int32,
-    aligned with Visits: where the page is in each visiting block's selection (its dS's place).
+    visited first (the longest programs start first).
     """
     device = pages.table.device
     if pages.selection is None:
         dummy = torch.zeros(2, dtype=torch.int32, device=device)
-        return dict(Order=dummy, Visits=dummy, NVisits=dummy, Entries=dummy)
+        return dict(Order=dummy, Visits=dummy, NVisits=dummy)
     sel, inside = _group_picks(pages)
-    b, n_kv, n_blocks, k = sel.shape
+    b, n_kv, n_blocks, _ = sel.shape
     n = pages.n_pages
     # chosen[b, h, page, block] = 1 for every pick; picks outside the group land in row n. A
     # scatter with a scalar: `chosen[index] = 1` would copy the 1 from the host and sync.
-    row = (torch.where(inside, sel, n) * n_blocks + torch.arange(n_blocks, device=device)[:, None]).flatten(2)
+    row = torch.where(inside, sel, n) * n_blocks + torch.arange(n_blocks, device=device)[:, None]
     chosen = torch.zeros((b, n_kv, (n + 1) * n_blocks), dtype=torch.int8, device=device)
-    chosen.scatter_(2, row, 1)
+    chosen.scatter_(2, row.flatten(2), 1)
     chosen = chosen.view(b, n_kv, n + 1, n_blocks)[:, :, :n]
-    entry = torch.zeros((b, n_kv, (n + 1) * n_blocks), dtype=torch.int32, device=device)
-    entry.scatter_(2, row, torch.arange(k, dtype=torch.int32, device=device).repeat(n_blocks).expand_as(row))
-    entry = entry.view(b, n_kv, n + 1, n_blocks)[:, :, :n]
     count = chosen.sum(-1, dtype=torch.int32)
     visits = torch.sort(chosen, dim=-1, descending=True, stable=True).indices  # chosen blocks first, ascending
     order = torch.sort(count, dim=-1, descending=True, stable=True).indices
     return dict(Order=order.to(torch.int32).contiguous(), Visits=visits.to(torch.int32).contiguous(),
-                NVisits=count.contiguous(), Entries=entry.gather(-1, visits).contiguous())
+                NVisits=count.contiguous())
 
 
 def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None):
@@ -248,14 +241,6 @@ def _check_blocks(sp: dict, block_m: int) -> None:
                          f"tile {block_m} on this device; use block_queries=128 (or 256)")
 
 
-def _store_ds(sp: dict) -> bool:
-    """Whether a sparse backward passes dS from the dK/dV kernel to the dQ kernel through memory
-    (STORE_DS): 2 bytes per query, head and selected key (at the 7B shape, top-k 64 of 128-key
-    pages: 1.9 GB a 4,096-token chunk, for one layer at a time; plan() counts it). The dQ kernel
-    then multiplies dS by K only, where it would recompute P = exp(Q K^T - lse) and dP = dO V^T."""
-    return STORE_DS and sp["SPARSE"]
-
-
 def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, dq_dtype=None):
     """dq (dq_dtype, default q's), dk, dv of the chunk (None without include_self); adds the
     pages' gradient into pages.dk/dv. lse is base 2, as _forward returns it."""
@@ -276,24 +261,20 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     sp = _sparse_args(pages, c)
     _check_blocks(sp, cfg["BLOCK_M1"])
     _check_blocks(sp, cfg["BLOCK_M2"])
-    ds = dummy = torch.zeros(2, dtype=q.dtype, device=q.device)
     if pages.dk is not None and pages.n_pages > 0:
         visits = _page_visits(pages)
-        if _store_ds(sp):  # (B, H, n_blocks, max_sel, block_q, P): each query's dS over its selected pages
-            ds = torch.empty((b, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], page_size), dtype=q.dtype,
-                             device=q.device)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
         _paged_attn_bwd_dkdv_pages[grid](
             q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
-            visits["Visits"], visits["NVisits"], visits["Entries"], ds,
+            visits["Visits"], visits["NVisits"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
             *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
             WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
-            STORE_DS=ds is not dummy, max_sel=sp["max_sel"], **launch1,
+            **launch1,
         )
 
     dk = dv = None
@@ -316,14 +297,14 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
-        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], ds, dq,
+        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
         c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
-        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, LOAD_DS=ds is not dummy,
+        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0,
         num_warps=cfg["warps2"], num_stages=cfg["stages2"],
     )
     return dq, dk, dv

@@ -46,8 +46,8 @@ def _paged_attn_bwd_preprocess(
 def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask_d,
                    stride_qm, stride_qd, stride_dom, stride_dod, C, qk_scale,
                    MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window, WINDOWED: tl.constexpr):
-    """One query tile into dK/dV of a key tile (and that tile's dS^T, for a caller that stores
-    it). k, v (BLOCK_N, HEAD_DIM); Q, DO, LSE, Delta point at the query head's row 0."""
+    """One query tile into dK/dV of a key tile. k, v (BLOCK_N, HEAD_DIM); Q, DO, LSE, Delta
+    point at the query head's row 0."""
     mask_m = offs_m < C
     qT = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
                  mask=mask_m[None, :] & mask_d[:, None], other=0.0)  # (HEAD_DIM, BLOCK_M)
@@ -65,7 +65,7 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask
     dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=IN_PRECISION)
-    return dk, dv, dsT
+    return dk, dv
 
 
 @triton.jit
@@ -86,7 +86,7 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
 
 @triton.jit
 def _paged_attn_bwd_dkdv_pages(
-    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits, Entries, DS,
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
@@ -95,8 +95,7 @@ def _paged_attn_bwd_dkdv_pages(
     C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr, STORE_DS: tl.constexpr,
-    max_sel,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
     of the gradient pages, so the read-modify-write needs no atomics.
@@ -139,23 +138,15 @@ def _paged_attn_bwd_dkdv_pages(
         n_visits = tl.load(NVisits + row)
         offs_v = tl.arange(0, MAX_BLOCKS)
         visits = tl.load(Visits + row * n_blocks + offs_v, mask=offs_v < n_visits, other=0)
-        if STORE_DS:
-            entries = tl.load(Entries + row * n_blocks + offs_v, mask=offs_v < n_visits, other=0)
         for it in range(0, n_visits * per_block):
             blk = _pick(visits, it // per_block, MAX_BLOCKS)
             off_h = off_kvh * GROUP + (it // tiles_per_block) % GROUP
-            rows = (it % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)  # in the block
-            offs_m = blk * block_q + rows
-            dk, dv, dsT = _attn_bwd_dkdv(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
-                                         DO + off_b * stride_dob + off_h * stride_doh, LSE + (off_b * H + off_h) * C,
-                                         Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
-                                         stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
-                                         window, False)
-            if STORE_DS:
-                entry = _pick(entries, it // per_block, MAX_BLOCKS)
-                ds_row = (((off_b * H + off_h) * n_blocks + blk) * max_sel + entry) * block_q
-                tl.store(DS + (ds_row + rows[None, :]) * PAGE_SIZE + offs_n[:, None], dsT.to(DS.dtype.element_ty),
-                         mask=(offs_m < C)[None, :])
+            offs_m = blk * block_q + (it % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
+                                    DO + off_b * stride_dob + off_h * stride_doh, LSE + (off_b * H + off_h) * C,
+                                    Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
+                                    stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
+                                    window, False)
     else:
         # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
         q_hi = C
@@ -167,10 +158,10 @@ def _paged_attn_bwd_dkdv_pages(
             do_head = DO + off_b * stride_dob + off_h * stride_doh
             for start_m in range(0, q_hi, BLOCK_M):
                 offs_m = start_m + tl.arange(0, BLOCK_M)
-                dk, dv, _ = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + (off_b * H + off_h) * C,
-                                           Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
-                                           stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
-                                           window, WINDOWED)
+                dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + (off_b * H + off_h) * C,
+                                        Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
+                                        stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
+                                        window, WINDOWED)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -224,9 +215,9 @@ def _paged_attn_bwd_dkdv_own(
     # Diagonal: query tiles overlapping the key tile (BLOCK_N % BLOCK_M == 0), masked.
     for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, C), BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv, _ = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                   offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                   C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
     # Later query tiles see the whole key tile: no mask (but the window's, which also ends the
     # loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
     q_hi = C
@@ -234,9 +225,9 @@ def _paged_attn_bwd_dkdv_own(
         q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
     for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv, _ = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                   offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                   C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
+                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
+                                C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
 
     dk *= scale
     out_offs = off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -246,7 +237,7 @@ def _paged_attn_bwd_dkdv_own(
 
 @triton.jit
 def _paged_attn_bwd_dq(
-    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DS, DQ,
+    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -257,11 +248,9 @@ def _paged_attn_bwd_dq(
     C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, LOAD_DS: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
 ):
-    """One program per (query tile, b, head); loops over the page key tiles, then the chunk.
-    LOAD_DS (sparse): the pages' dS comes from DS (the dK/dV kernel stored it): one product a
-    key tile instead of three."""
+    """One program per (query tile, b, head); loops over the page key tiles, then the chunk."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -288,24 +277,14 @@ def _paged_attn_bwd_dq(
     p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
     # The slot loads stay inside this loop: from registers (as in the forward) its pages
     # measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, docs/benchmarks.md).
-    # dS rows of this query tile: DS[b, h, block, entry, rows, :] (LOAD_DS)
-    ds_rows = (off_bh.to(tl.int64) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel * block_q \
-        + (start_m * BLOCK_M) % block_q + tl.arange(0, BLOCK_M)
     for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
         slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
         base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
                                         stride_pn, PAGE_SIZE, BLOCK_N)
         kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        if LOAD_DS:
-            entry_rows = ds_rows + (t // tiles_per_page) * block_q
-            ds = tl.load(DS + entry_rows[:, None] * PAGE_SIZE + (t % tiles_per_page) * BLOCK_N + offs_n[None, :],
-                         mask=mask_m[:, None], other=0.0)
-            kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
-            dq += tl.dot(ds, tl.trans(kT), input_precision=IN_PRECISION)
-        else:
-            vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
-                              IN_PRECISION)
+        vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+        dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
+                          IN_PRECISION)
 
     if INCLUDE_SELF:
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
