@@ -79,7 +79,7 @@ def test_shorter_step_keeps_the_pinned_arena():
 
 
 def test_host_memory_is_checked_before_the_step(monkeypatch):
-    import oomb.engine
+    import oomb.placement
     monkeypatch.setattr(oomb.placement, "available_host_bytes", lambda: 4 * 2**20)
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all")
