@@ -64,13 +64,14 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
 
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KEEP = {"no": False, "yes": True, "fit": None}  # --keep-attention -> the engine's keep_attention
 OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sparse": "none",
                 "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
-            compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: bool = False,
-            page_budget_gib: float | None = None):
+            compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: str = "no",
+            page_budget_gib: float | None = None, kept_host_gib: float | None = None):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
@@ -85,11 +86,15 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
                                            param_grad_dtype=torch.float32 if param_grad_dtype == "fp32" else None,
-                                           keep_attention=keep_attention,
+                                           keep_attention=KEEP[keep_attention],
+                                           kept_host_bytes=None if kept_host_gib is None else int(kept_host_gib * 2**30),
                                            gpu_page_budget_bytes=None if page_budget_gib is None
                                            else int(page_budget_gib * 2**30))
         step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
         step.host_layers = lambda: len(engine.store.host_layers)
+        step.kept = lambda: {"kept_layers": len(engine.kept.layers),
+                             "kept_where": ("host" if engine.kept.on_host else "gpu") if engine.kept.layers else None,
+                             "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2)}
 
         def reserve(tokens: int) -> None:
             engine.reserve(1, tokens)
@@ -120,8 +125,8 @@ def worker(args) -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
-                            compile_layers, args.param_grad_dtype, args.keep_attention and args.impl in OOMB_OFFLOAD,
-                            args.page_budget_gib)
+                            compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
+                            args.kept_host_gib)
     vocab = model.config.vocab_size
     warm = min(8192, args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
@@ -142,7 +147,7 @@ def worker(args) -> None:
                "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
                "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": args.float8,
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
-               "keep_attention": args.keep_attention and args.impl in OOMB_OFFLOAD,
+               "keep_attention": args.keep_attention if args.impl in OOMB_OFFLOAD else None,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
@@ -172,6 +177,7 @@ def worker(args) -> None:
                        **meter.summary())
             if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
                 row["host_layers"] = step.host_layers()
+                row.update(step.kept())
                 row.update(clock.summary())
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
@@ -207,8 +213,11 @@ def main() -> None:
     ap.add_argument("--oomb-compile", action="store_true", help="oomb: torch.compile around attention (compile_layers)")
     ap.add_argument("--float8", choices=["none", "tensorwise", "rowwise"], default="none",
                     help="every impl: the decoder layers' projections as torchao float8 GEMMs (oomb.models.float8)")
-    ap.add_argument("--keep-attention", action="store_true",
-                    help="oomb (offload none): stage 2 takes stage 1's attention outputs (keep_attention)")
+    ap.add_argument("--keep-attention", nargs="?", const="yes", choices=sorted(KEEP), default="no",
+                    help="oomb: stage 2 takes stage 1's attention outputs (keep_attention): yes (every layer, on the "
+                         "GPU if they fit there, else on the host), fit (as many layers as fit), no")
+    ap.add_argument("--kept-host-gib", type=float, default=None,
+                    help="oomb: pinned host memory for kept attention outputs (default: half of what is free)")
     ap.add_argument("--param-grad-dtype", choices=["param", "fp32"], default="param",
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
     ap.add_argument("--page-budget-gib", type=float, default=None,
@@ -238,8 +247,9 @@ def main() -> None:
             cmd.append("--oomb-liger")
         if args.oomb_compile:
             cmd.append("--oomb-compile")
-        if args.keep_attention:
-            cmd.append("--keep-attention")
+        cmd += ["--keep-attention", args.keep_attention]
+        if args.kept_host_gib is not None:
+            cmd += ["--kept-host-gib", str(args.kept_host_gib)]
         if args.layers is not None:
             cmd += ["--layers", str(args.layers)]
         if args.page_budget_gib is not None:

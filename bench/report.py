@@ -45,9 +45,19 @@ def _label(r: dict) -> str:
             + (" +compile" if r.get("compile") else "")
             + (f" float8-{r['float8']}" if r.get("float8", "none") != "none" else "")
             + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
-            + (" keep-attn" if r.get("keep_attention") else "")
+            + _kept_label(r)
             + (" fused-wgrad" if r.get("fused_weight_grads") else "")  # session 8, removed
             + (f" {r['host_layers']}-host-layers" if r.get("page_budget_gib") is not None else ""))
+
+
+def _kept_label(r: dict) -> str:
+    """keep_attention: True on the GPU before session 15's rows; since, yes / fit / no with the
+    number of layers kept and where."""
+    if r.get("keep_attention") in (None, False, "no"):
+        return ""
+    if "kept_where" not in r:
+        return " keep-attn"
+    return f" keep-attn-{r['kept_where']}-{r['kept_layers']}L" if r.get("kept_layers") else ""
 
 
 def step_table(rows: list[dict]) -> str:

@@ -14,7 +14,7 @@ def test_bench_step_smoke(tmp_path):
     out = tmp_path / "step.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
            "--impls", "oomb,oomb-sparse-all,hf", "--lengths", "512,1K", "--chunk-size", "256",
-           "--kv-grad-dtype", "bf16", "--checkpoint-layers", "--out", str(out)]
+           "--kv-grad-dtype", "bf16", "--checkpoint-layers", "--keep-attention", "fit", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
@@ -28,6 +28,9 @@ def test_bench_step_smoke(tmp_path):
             losses[r["seq_len"]].add(r["loss"])
     assert all(len(v) == 1 for v in losses.values()), losses
     assert rows[0]["kv_grad_dtype"] == "bf16" and rows[0]["checkpoint_layers"] is True
+    # a CPU model keeps its attention outputs in the host arena (tiny: 4 layers, the last not kept)
+    assert (rows[0]["keep_attention"], rows[0]["kept_layers"], rows[0]["kept_where"]) == ("fit", 3, "host")
+    assert rows[4]["keep_attention"] is None and "kept_layers" not in rows[4]
     # the pass clock splits an oomb step into its stages: chunks 0 .. n-2 in stage 1, all n in stage 2
     for r in rows[:4]:
         chunks = r["seq_len"] // 256
@@ -87,12 +90,16 @@ def test_step_table_shows_repeats_and_chunk_sizes():
         return {"impl": impl, "chunk_size": chunk, "seq_len": 2**18, "ok": True, "step_s": step_s,
                 "tok_s": 2**18 / step_s, "peak_gib": peak, "commit": "abcdef0", "date": "2026-11-30", "gpu": "H"}
     rows = [row("oomb-sparse-all", 4096, 40.5, 49.2), row("oomb-sparse-all", 4096, 41.0, 49.2),
-            row("oomb-sparse-auto", 2048, 38.8, 67.2), row("oomb-sparse-auto", 4096, 37.6, 76.3)]
+            row("oomb-sparse-auto", 2048, 38.8, 67.2), row("oomb-sparse-auto", 4096, 37.6, 76.3),
+            {**row("oomb", 4096, 140.0, 90.1), "keep_attention": "yes", "kept_layers": 27, "kept_where": "host"},
+            {**row("oomb", 4096, 176.4, 90.1), "keep_attention": "no"}]
     lines = step_table(rows).splitlines()
     header = next(line for line in lines if line.startswith("| context"))
     assert "oomb-sparse-auto chunk 2048 tok/s" in header and "oomb-sparse-auto chunk 4096 tok/s" in header
+    assert "| oomb tok/s |" in header and "| oomb keep-attn-host-27L tok/s |" in header
     cells = next(line for line in lines if line.startswith("| 256K")).split(" | ")
-    assert cells[1:] == ["6,473 (40.5 s) / 6,394 (41 s)", "49.2", "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
+    assert cells[1:] == ["1,486 (176.4 s)", "90.1", "1,872 (140 s)", "90.1", "6,473 (40.5 s) / 6,394 (41 s)", "49.2",
+                         "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
 
 
 def test_trace_gaps_summary(tmp_path):

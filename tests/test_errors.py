@@ -29,6 +29,7 @@ def test_unsupported_model_names_supported_ones():
     ({"sparse": "topk"}, r"sparse='topk' must be None \(dense\) or oomb.TopKPages"),
     ({"backend": "cuda"}, r"backend='cuda' is not one of"),
     ({"kv_grad_dtype": torch.float16}, r"kv_grad_dtype=torch.float16 must be"),
+    ({"kept_host_bytes": -1}, r"kept_host_bytes=-1 must be None"),
     ({"page_size": 48, "chunk_size": 96}, r"page_size=48 must be a power of two"),
 ])
 def test_bad_options(model, kwargs, match):

@@ -119,7 +119,8 @@ def sync_sites(engine, ids) -> list[str]:
     {"offload": "all", "group_pages": 2},  # dense, every group staged from the host
     {"sparse": oomb.TopKPages(budget=4, chunk_budget=9)},  # sparse, pages on the GPU
     {"offload": "all", "sparse": oomb.TopKPages(budget=4, chunk_budget=9)},  # sparse, gathered from the host
-], ids=["dense", "dense-all", "sparse", "sparse-all"])
+    {"offload": "all", "keep_attention": True},  # attention outputs kept on the host
+], ids=["dense", "dense-all", "sparse", "sparse-all", "kept-host"])
 def test_no_host_sync_per_chunk(wide_model, kwargs):
     """A step syncs the host a fixed number of times, however many chunks, pages and groups it
     has: a sync per chunk and layer drains the GPU's queue (e.g. `x[index] = 0` on a CUDA
@@ -323,10 +324,22 @@ def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
 
 
 def test_kept_attention_identical_on_the_gpu(wide_model):
-    """keep_attention=True with the Triton kernels in bf16: gradients torch.equal the default's."""
+    """keep_attention with the Triton kernels in bf16, kept on the GPU (offload 'none') and in
+    pinned host memory (offload 'all'; 'auto' with every layer's pages on the host), dense and
+    sparse: losses and gradients torch.equal keeping nothing."""
     ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")
-    grads = []
-    for keep in (False, True):
-        oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, backend="triton", keep_attention=keep).forward_backward(ids)
-        grads.append(grads_of(wide_model))
-    assert all(torch.equal(grads[0][n], grads[1][n]) for n in grads[0])
+    sparse = oomb.TopKPages(budget=4, chunk_budget=9)
+    for extra in ({}, {"sparse": sparse}):
+        runs = {}
+        for name, kwargs in [("none", {"keep_attention": False}), ("gpu", {"keep_attention": True}),
+                             ("host, all", {"keep_attention": True, "offload": "all"}),
+                             ("host, auto", {"keep_attention": None, "offload": "auto",
+                                             "gpu_page_budget_bytes": 0})]:
+            engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, backend="triton", **kwargs, **extra)
+            runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
+            assert engine.kept.layers == (() if name == "none" else (0,)), name
+            assert engine.kept.on_host == name.startswith("host"), name
+        loss0, g0 = runs["none"]
+        for name, (loss, g) in runs.items():
+            assert torch.equal(loss, loss0), (name, extra)
+            assert all(torch.equal(g[n], g0[n]) for n in g0), (name, extra)

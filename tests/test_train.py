@@ -124,6 +124,14 @@ def test_plan_placement_and_longest_context(capsys):
     auto = place(p, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer
+    # kept attention outputs (1M: 255 chunks x 27 layers x 28.4 MiB) go to the host unless 'none' fits them
+    kept = plan(cfg, 2**20, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0, keep_attention=True)
+    assert kept.kept_attention == 255 * 27 * 4096 * 28 * (128 * 2 + 4)
+    assert place(kept, "auto", 140 * gib, 300 * gib).host == auto.host + kept.kept_attention
+    assert place(kept, "auto", 140 * gib, 300 * gib).gpu == auto.gpu
+    short = plan(cfg, 2**16, optimizer_bytes_per_param=0, keep_attention=True)
+    assert place(short, "none", 140 * gib, 0).gpu == place(plan(cfg, 2**16, optimizer_bytes_per_param=0), "none",
+                                                          140 * gib, 0).gpu + short.kept_attention
     # LoRA rank 16 on q, k, v, o of 28 layers: A (in x 16) + B (16 x out) each
     assert lora_params(cfg, 16) == 16 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584)) * 28
     assert parse_bytes("139.8GiB") == int(139.8 * gib) and parse_bytes("80GB") == 80 * 10**9
@@ -383,4 +391,8 @@ def test_keep_attention_trains_identically(capsys):
     assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg, keep_attention=False))
     capsys.readouterr()
     train(TrainConfig(**{**cfg, "steps": 1}))
-    assert "kept attention" in capsys.readouterr().out
+    assert "kept attention (3 of 3 layers, host)" in capsys.readouterr().out  # a CPU model's go to its arena
+    train(TrainConfig(**{**cfg, "steps": 1, "kept_host_gib": 0.0}))
+    assert "kept attention" not in capsys.readouterr().out
+    with pytest.raises(ValueError, match="kept_host_gib=-1.0 must be >= 0"):
+        TrainConfig(kept_host_gib=-1.0)

@@ -15,7 +15,8 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         if isinstance(f.default, bool) or str(f.type) == "bool | None":  # None: decided from other flags
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
-        parser.add_argument(flag, type=type(f.default), default=f.default, help=f"(default: {f.default!r})")
+        kind = {"float | None": float, "int | None": int}.get(str(f.type), type(f.default))
+        parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default!r})")
 
 
 def parse_tokens(text: str) -> int:
@@ -153,7 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
     p_plan.add_argument("--keep-attention", action="store_true",
-                        help="stage 1 keeps the attention outputs for stage 2 (offload none)")
+                        help="stage 1 keeps the attention outputs for stage 2 (on the GPU with offload none when "
+                             "everything fits there, else in pinned host memory)")
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
     p_plan.add_argument("--sparse-budget", type=int, default=0,
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.sparse import Selection, TopKPages, select_pages
 from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
+from .memory.kept import KeptAttention
 from .memory.spec import PageSpec
 from .memory.store import PagedKVStore
 from .models import adapter_for
@@ -51,7 +52,8 @@ class ChunkRecurrentEngine(PagePlacement):
                  kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
                  reserved_gpu_bytes: int = 0, compile_layers: bool = False,
-                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False) -> None:
+                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False,
+                 kept_host_bytes: int | None = None) -> None:
         for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise TypeError(f"{name} must be a positive int, got {value!r}")
@@ -71,16 +73,17 @@ class ChunkRecurrentEngine(PagePlacement):
                                                  and torch.finfo(param_grad_dtype).bits >= 32):
             raise ValueError(f"param_grad_dtype={param_grad_dtype} must be None (each parameter's own dtype) "
                              "or a float of 32 bits or more (torch.float32)")
-        if keep_attention and offload != "none":
-            raise ValueError(f"keep_attention=True with offload={offload!r}: the kept attention outputs live on the "
-                             "GPU beside the pages; use offload='none', or keep_attention=False")
+        if kept_host_bytes is not None and (isinstance(kept_host_bytes, bool) or not isinstance(kept_host_bytes, int)
+                                            or kept_host_bytes < 0):
+            raise ValueError(f"kept_host_bytes={kept_host_bytes!r} must be None (half the free host memory) or bytes >= 0")
         self.model = model
-        # Stage 1 keeps each layer's attention output and LSE (C x H x D in the weights' dtype + C x H
-        # fp32 per layer and chunk) so that stage 2 does not compute that attention again. None:
-        # whenever that fits (offload 'none'), decided at each step's start (keeps_attention).
+        # Stage 1 keeps attention outputs and LSEs so that stage 2 does not compute them again
+        # (memory/kept.py), on the GPU or in pinned host memory (placement.py decides, each step).
+        # True: every layer; None: as many as fit (host: within kept_host_bytes, default half the free).
         self.keep_attention = None if keep_attention is None else bool(keep_attention)
-        self.keeps_attention = bool(keep_attention)
-        self._kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kept_host_bytes = kept_host_bytes
+        self.keeps_attention = False
+        self._kept_budget: int | None = None  # the default host budget, fixed at the first step
         # Each parameter's gradient is a sum over the chunks: in bf16 its rounding grows with their
         # number (~1.5e-2 relative at 256 chunks); param_grad_dtype sums them in fp32 buffers and
         # rounds into .grad once, as one full-sequence backward does.
@@ -103,6 +106,7 @@ class ChunkRecurrentEngine(PagePlacement):
         self._seq_len = 0  # of the step being computed
         weight = self.adapter.embed_tokens.weight
         self.device = weight.device
+        self.kept = KeptAttention(self.device)
         self.backend = resolve_backend(backend, self.device)
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
         pages_per_chunk = chunk_size // page_size
@@ -155,13 +159,12 @@ class ChunkRecurrentEngine(PagePlacement):
                                                 last=c == len(bounds) - 1)
                 if c < len(bounds) - 1:
                     self.store.free_chunk(c)
-                for i in range(self.adapter.n_layers):
-                    self._kept.pop((c, i), None)
+                self.kept.drop(c)
                 lead.chunk_done()
                 passes.done()
         finally:
             sums.close()
-            self._kept.clear()
+            self.kept.clear()
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
@@ -224,7 +227,7 @@ class ChunkRecurrentEngine(PagePlacement):
                 rng_states.append(self._rng_state())
                 self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
                 start, end = bounds[c]
-                active.append(self._stage1_layers(c, input_ids[:, start:end], start, keep=self.keeps_attention))
+                active.append(self._stage1_layers(c, input_ids[:, start:end], start))
             turn = active.popleft()  # the oldest chunk first: its layer i is stored before the next one's
             if next(turn, StopIteration) is StopIteration:
                 lead.chunk_done()
@@ -237,11 +240,11 @@ class ChunkRecurrentEngine(PagePlacement):
                 and not any(isinstance(m, nn.Dropout) and m.p > 0 for m in self.model.modules()))
 
     def _stage1_chunk(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
-                      full: bool = False, keep: bool = False) -> torch.Tensor:
+                      full: bool = False) -> torch.Tensor:
         """Run a chunk without autograd, storing its K/V; returns the final hidden states when
-        `full`, else stops after the last layer's K/V (nothing else of it is needed). `keep`:
-        also keep each layer's attention output and LSE for stage 2."""
-        layers = self._stage1_layers(c, ids, start, store, full, keep)
+        `full`, else stops after the last layer's K/V (nothing else of it is needed). The
+        attention outputs of the layers this step keeps (kept.layers) are kept for stage 2."""
+        layers = self._stage1_layers(c, ids, start, store, full)
         while True:
             try:
                 next(layers)
@@ -249,7 +252,7 @@ class ChunkRecurrentEngine(PagePlacement):
                 return done.value
 
     def _stage1_layers(self, c: int, ids: torch.Tensor, start: int, store: bool = True,
-                       full: bool = False, keep: bool = False):
+                       full: bool = False):
         """_stage1_chunk as a generator: it yields after each layer's projections and K/V write,
         before the layer's attention (whose pages may still be loading), and returns what
         _stage1_chunk returns."""
@@ -265,9 +268,9 @@ class ChunkRecurrentEngine(PagePlacement):
             if not attend:
                 break
             yield
-            if keep:
-                self._kept[c, i] = attention_with_lse(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
-                o = self._kept[c, i][0]
+            if i in self.kept.layers:
+                o, lse = attention_with_lse(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
+                self.kept.put(c, i, o, lse)
             else:
                 o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
             h = a.finish_layer(layer, h, o)
@@ -300,9 +303,10 @@ class ChunkRecurrentEngine(PagePlacement):
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
-            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self._kept.get((c, i)))
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self.kept.get(c, i))
             return a.finish_layer(layer, h, o), groups
 
+        self.kept.prefetch(c)  # the first layers' kept attention outputs, when they are on the host
         with torch.enable_grad():
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start, self._seq_len)

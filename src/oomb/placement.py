@@ -4,15 +4,21 @@ Offload 'none' keeps every layer's pages on the GPU, 'all' puts the full-attenti
 on the host, 'auto' keeps as many layers on the GPU as fit in a budget fixed at the first step
 (free memory less what the step still needs: one chunk's working set from plan(), parameter
 gradients not allocated yet, `reserved_gpu_bytes`, a margin). Stage 1's attention outputs are kept
-(keep_attention=None) when they fit beside the pages. A step that cannot fit is refused before
+(keep_attention) on the GPU when they fit beside the pages, else in pinned host memory within a
+budget. A step that cannot fit is refused before
 anything is computed, with what would fit and how to get there.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+from .memory.kept import KeptAttention
 from .memory.offload import available_host_bytes
 from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan
+
+HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
 
 
 class PagePlacement:
@@ -31,8 +37,9 @@ class PagePlacement:
         else:
             n_device = len(full) if layer_bytes == 0 else min(len(full), self._page_budget() // layer_bytes)
         self.store.place(full[n_device:])
-        self.keeps_attention = training and self._keeps(batch, max_pages)  # evaluate() keeps nothing
-        self._check_memory(batch, max_pages, len(full) - n_device, layer_bytes)
+        host_pages = (len(full) - n_device) * layer_bytes  # the host arena's pages
+        self._place_kept(batch, max_pages, host_pages, training)  # evaluate() keeps nothing
+        self._check_memory(batch, max_pages, host_pages)
         self.store.begin_step(batch, max_pages)
 
     def _page_budget(self) -> int:
@@ -49,17 +56,53 @@ class PagePlacement:
             self._budget = self._free_budget() if self.device.type == "cuda" else 2**62
         return self._budget
 
-    def _keeps(self, batch: int, max_pages: int) -> bool:
-        """Whether this step keeps stage 1's attention outputs: as asked, or (None) when they fit
-        beside the pages (offload 'none'; on the GPU, with what the step still needs)."""
-        if self.keep_attention is not None:
-            return self.keep_attention
-        if self.offload != "none":
-            return False
-        kept = self._attention_bytes(batch, max_pages)
-        if self.device.type != "cuda":
-            return kept <= available_host_bytes() // 4
-        return self.store.device_bytes(batch, max_pages) + kept <= self._headroom()  # the room counts the pool
+    def _place_kept(self, batch: int, max_pages: int, host_pages: int, training: bool) -> None:
+        """Which layers' attention outputs stage 1 keeps this step, and where: every layer but the
+        last (stage 1 stops at its K/V), full-attention layers first (a window's attention is
+        cheap to recompute); on the GPU when all fit beside the pages (offload 'none'), else in
+        pinned host memory, as many layers as the host budget holds (keep_attention=True: all,
+        or an error before anything is computed)."""
+        a = self.adapter
+        n_chunks = max_pages // (self.chunk_size // self.page_size)  # stored chunks
+        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
+        layers = sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
+        on_host = True
+        if not training or self.keep_attention is False or n_chunks == 0:
+            layers = []
+        elif (self.device.type == "cuda" and self.offload == "none"
+              and self.store.device_bytes(batch, max_pages) + self._attention_bytes(batch, max_pages)
+              <= self._headroom()):  # the room counts the pool
+            on_host = False
+        else:
+            entry = KeptAttention.entry_bytes(batch, self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
+            budget = self._kept_host_budget(host_pages)
+            n = len(layers)
+            while n and KeptAttention.host_bytes(n * n_chunks, entry) > budget:
+                n -= 1
+            if self.keep_attention and n < len(layers):
+                need = KeptAttention.host_bytes(len(layers) * n_chunks, entry)
+                raise ValueError(
+                    f"keep_attention=True: the attention outputs of {len(layers)} layers x {n_chunks} chunks need "
+                    f"{human_bytes(need)} of pinned host memory (they do not fit on the GPU beside the pages), but "
+                    f"the budget is {human_bytes(budget)}: {n} layers would fit. Use keep_attention=None (keeps as "
+                    "many layers as fit), a larger kept_host_bytes, or keep_attention=False")
+            layers = layers[:n]
+        self.kept.begin_step(layers, on_host, n_chunks, (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
+        self.keeps_attention = bool(layers)
+
+    def _kept_host_budget(self, host_pages: int) -> int:
+        """Host bytes kept attention outputs may pin: kept_host_bytes as given (a virtual machine
+        may report less free memory than it can grow to), or (None) half of what is free besides
+        this step's page arena less a margin, shared among the ranks of this host, decided at the
+        first step so that every step keeps the same layers and the arena is pinned once."""
+        if self.kept_host_bytes is not None:
+            return self.kept_host_bytes
+        if self._kept_budget is None:
+            pinned = self.kept.arena_bytes + self.store.host.host_bytes(self.store.host.batch,
+                                                                        self.store.host.max_pages)
+            free = max(0, available_host_bytes() + pinned - host_pages - HOST_MARGIN_BYTES)
+            self._kept_budget = free // (2 * int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+        return self._kept_budget
 
     def _free_budget(self) -> int:
         staging = 2 * self.store.host.group_pages * self.spec.page_bytes
@@ -87,9 +130,8 @@ class PagePlacement:
         free, _ = torch.cuda.mem_get_info(self.device)
         return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
 
-    def _check_memory(self, batch: int, max_pages: int, n_host: int, layer_bytes: int) -> None:
+    def _check_memory(self, batch: int, max_pages: int, host_pages: int) -> None:
         pool_now = self.store.pool.n_slots * self.spec.page_bytes
-        host_pages = n_host * layer_bytes  # the host arena's pages
         host_need = host_pages - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
         if self.device.type == "cpu":  # a CPU model's "device" pool (and staging) is host memory too
             host_pages += self.store.device_pages(batch, max_pages) * self.spec.page_bytes
@@ -119,9 +161,9 @@ class PagePlacement:
                 )
 
     def _kept_bytes(self, batch: int, max_pages: int) -> int:
-        """Device bytes of the attention outputs and LSEs stage 1 keeps (keep_attention), of this
-        rank's query heads."""
-        return self._attention_bytes(batch, max_pages) if self.keeps_attention else 0
+        """Device bytes of the attention outputs and LSEs stage 1 keeps on the GPU (keep_attention),
+        of this rank's query heads."""
+        return self._attention_bytes(batch, max_pages) if self.keeps_attention and not self.kept.on_host else 0
 
     def _attention_bytes(self, batch: int, max_pages: int) -> int:
         """What keeping the attention outputs and LSEs takes (this rank's query heads)."""

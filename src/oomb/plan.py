@@ -33,7 +33,7 @@ class MemoryPlan:
     window_pages: int = 0  # bytes of the sliding-window layers' pages (a few per chunk; always on the GPU)
     representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
-    kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (on the GPU)
+    kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (GPU or host: place())
 
     @property
     def working_set(self) -> int:
@@ -199,7 +199,7 @@ class Placement:
 
     offload: str
     gpu: int  # device bytes the step needs (weights, grads, optimizer, working set, device pages)
-    host: int  # pinned host bytes (the host layers' pages)
+    host: int  # pinned host bytes (the host layers' pages, kept attention outputs that go there)
     gpu_capacity: int
     host_capacity: int
 
@@ -221,9 +221,9 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
           staging_pages: int = 256) -> Placement:
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
-    while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU."""
-    fixed = (p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + p.kept_attention
-             + GPU_MARGIN_BYTES)
+    while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU. Kept
+    attention outputs go on the GPU with 'none' when everything fits there, else on the host."""
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
     n_layers = p.full_layers
     layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
     staging = 2 * staging_pages * p.batch * p.page_bytes
@@ -234,8 +234,12 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
     else:
         on_gpu = n_layers if layer == 0 else min(n_layers, max(0, gpu_capacity - fixed - staging) // layer)
     on_host = n_layers - on_gpu
-    return Placement(offload, fixed + on_gpu * layer + (staging if on_host else 0), on_host * layer,
-                     gpu_capacity, host_capacity)
+    gpu, host = fixed + on_gpu * layer + (staging if on_host else 0), on_host * layer
+    if offload == "none" and gpu + p.kept_attention <= gpu_capacity:
+        gpu += p.kept_attention
+    else:
+        host += p.kept_attention
+    return Placement(offload, gpu, host, gpu_capacity, host_capacity)
 
 
 def longest_context(fits, chunk_size: int, limit: int = 2**26) -> int:

@@ -27,10 +27,12 @@ class TrainConfig:
     backend: str = "auto"  # auto | torch | triton
     offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
     kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
-    # stage 2 takes stage 1's attention outputs instead of computing them again (offload none; holds
-    # C x H x (D + 2) x 2 bytes per layer and chunk on the GPU: 28 MiB at Qwen2.5-7B's chunk 4096);
-    # None: whenever they fit (decided by the engine at each step)
+    # stage 2 takes stage 1's attention outputs instead of computing them again (C x H x (D + 2) x 2
+    # bytes per layer and chunk: 28 MiB at Qwen2.5-7B's chunk 4096), on the GPU when they fit beside
+    # the pages, else in pinned host memory; None: as many layers as fit (decided by the engine at
+    # each step), True: all of them or an error
     keep_attention: bool | None = None
+    kept_host_gib: float | None = None  # host memory the kept outputs may pin (default: half of what is free)
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
@@ -84,6 +86,9 @@ class TrainConfig:
                              f"{self.sparse_budget}")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
+        if self.kept_host_gib is not None and self.kept_host_gib < 0:
+            raise ValueError(f"kept_host_gib={self.kept_host_gib} must be >= 0 (0: keep attention outputs on the GPU "
+                             "only; leave it unset for half the free host memory)")
         if self.kv_grad_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be float32 or bfloat16")
         if self.liger and self.tp > 1:

@@ -122,6 +122,15 @@ def lost_update_fraction(params: list, lr: float) -> float:
     return int(frozen) / total  # one device sync
 
 
+def kept_attention(engine: ChunkRecurrentEngine) -> str:
+    """What the engine keeps of stage 1's attention (for the run's first line)."""
+    kept = engine.kept
+    if not kept.layers:
+        return ""
+    where = "host" if kept.on_host else "GPU"
+    return f"kept attention ({len(kept.layers)} of {engine.adapter.n_layers - 1} layers, {where}), "
+
+
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
     same tokens and their losses compare (each data-parallel rank its own share)."""
@@ -181,7 +190,9 @@ def train(cfg: TrainConfig) -> list[float]:
                                       reserved_gpu_bytes=optimizer_state_bytes(optimizer),
                                       compile_layers=cfg.compile_layers,
                                       param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
-                                      keep_attention=cfg.keep_attention)
+                                      keep_attention=cfg.keep_attention,
+                                      kept_host_bytes=None if cfg.kept_host_gib is None
+                                      else int(cfg.kept_host_gib * 2**30))
     except ValueError as e:
         if cfg.compile is None and cfg.compile_layers:
             why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}"
@@ -216,7 +227,7 @@ def train(cfg: TrainConfig) -> list[float]:
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
               f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
-              f"{'compiled layers, ' if cfg.compile_layers else ''}{'kept attention, ' if engine.keeps_attention else ''}"
+              f"{'compiled layers, ' if cfg.compile_layers else ''}{kept_attention(engine)}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None

@@ -1,0 +1,197 @@
+"""Stage 1's attention outputs and LSEs, kept so that stage 2 does not compute that attention again.
+
+Stage 2 recomputes each chunk's forward under autograd; with a layer's attention output O and
+LSE from stage 1 (the same inputs give the same values), the recompute skips the attention
+forward, the step's largest recomputed kernel at long contexts (a 256K dense step: ~35 of
+~176 s; a 1M top-k step: ~9 s). What one (chunk, layer) takes: B x C x H x D in the weights'
+dtype + B x H x C fp32 (28.4 MiB for Qwen2.5-7B at chunk 4096), for every stored chunk.
+
+Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
+as the host budget holds. The host arena is a list of pinned slabs (1 GiB: a power of two, which
+torch's caching host allocator rounds every pinned allocation up to) holding fixed-size entries; each entry's
+slot comes from a free list of plain integers. Transfers are ordered by CUDA events, never by
+the host thread:
+  put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
+  load (stage 2): the host->GPU stream waits for those copies (once a step) and for the compute
+                  queued before the device buffers were allocated, then copies in; the compute
+                  stream waits for a layer's copy only when that layer's attention runs.
+Stage 2 loads a chunk's outputs `LOOKAHEAD` layers ahead of their use, so each ~1 ms transfer
+hides behind the layers before it. On a CPU model the same code runs with synchronous copies.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+SLAB_BYTES = 2**30
+LOOKAHEAD = 2  # layers between a kept output's load and its use in stage 2
+_ALIGN = 256
+
+
+class KeptAttention:
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.layers: tuple[int, ...] = ()  # the layers kept this step, in load order
+        self.on_host = False
+        self._device: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._slot: dict[tuple[int, int], int] = {}  # host entries
+        self._loaded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
+        self._slabs: list[torch.Tensor] = []  # pinned uint8
+        self._entry_bytes = 0
+        self._free: list[int] = []
+        self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
+        self.d2h = torch.cuda.Stream(self.device) if self.cuda else None
+        self._shapes: tuple[tuple[int, ...], tuple[int, ...], torch.dtype] | None = None
+
+    # -- sizes --------------------------------------------------------------------------------
+
+    @staticmethod
+    def entry_bytes(batch: int, chunk_size: int, heads: int, head_dim: int, item: int) -> int:
+        """One (chunk, layer): O (B, H, C, D) and LSE (B, H, C) fp32, each 256-byte aligned."""
+        o = batch * heads * chunk_size * head_dim * item
+        lse = batch * heads * chunk_size * 4
+        return -(-o // _ALIGN) * _ALIGN + -(-lse // _ALIGN) * _ALIGN
+
+    @staticmethod
+    def host_bytes(n_entries: int, entry_bytes: int) -> int:
+        """Pinned bytes an arena of n_entries takes (whole slabs)."""
+        if n_entries == 0:
+            return 0
+        slab, per_slab = _slab_layout(n_entries, entry_bytes)
+        return -(-n_entries // per_slab) * slab
+
+    @property
+    def n_entries(self) -> int:
+        """(chunk, layer) outputs held now."""
+        return len(self._device) + len(self._slot)
+
+    @property
+    def arena_bytes(self) -> int:
+        return sum(s.numel() for s in self._slabs)
+
+    # -- the step -----------------------------------------------------------------------------
+
+    def begin_step(self, layers: list[int], on_host: bool, n_chunks: int, o_shape: tuple[int, ...],
+                   dtype: torch.dtype) -> None:
+        """Keep `layers` of chunks [0, n_chunks) this step; o_shape: (B, H, C, D)."""
+        self.clear()
+        self.layers, self.on_host = tuple(layers), on_host
+        b, h, c, d = o_shape
+        self._shapes = (o_shape, (b, h, c), dtype)
+        if not (on_host and layers):
+            return
+        entry = self.entry_bytes(b, c, h, d, dtype.itemsize)
+        n = len(layers) * n_chunks
+        if entry != self._entry_bytes or n > len(self._free):
+            self._slabs = []  # free the old arena before pinning the new one
+            slab, per_slab = _slab_layout(n, entry)
+            self._slabs = [torch.empty(slab, dtype=torch.uint8, pin_memory=self.cuda)
+                           for _ in range(-(-n // per_slab))]
+            self._entry_bytes = entry
+            self._free = list(range(len(self._slabs) * per_slab))
+        self._free.sort(reverse=True)
+
+    def put(self, c: int, i: int, o: torch.Tensor, lse: torch.Tensor) -> None:
+        """Stage 1: keep layer i's (o, lse) of chunk c, if this step keeps layer i."""
+        if i not in self.layers:
+            return
+        if not self.on_host:
+            self._device[c, i] = (o, lse)
+            return
+        slot = self._free.pop()
+        host_o, host_lse = self._views(slot)
+        with self._stream(self.d2h, after_compute=True):
+            host_o.copy_(o, non_blocking=True)
+            host_lse.copy_(lse, non_blocking=True)
+        if self.cuda:
+            o.record_stream(self.d2h)  # alive until the copy is done
+            lse.record_stream(self.d2h)
+        self._slot[c, i] = slot
+
+    def load(self, c: int, i: int) -> None:
+        """Stage 2: start copying layer i's kept output of chunk c to the device (no-op when it
+        is on the device, loading, or not kept)."""
+        key = (c, i)
+        if key not in self._slot or key in self._loaded:
+            return
+        o_shape, lse_shape, dtype = self._shapes
+        o = torch.empty(o_shape, dtype=dtype, device=self.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
+        host_o, host_lse = self._views(self._slot[key])
+        with self._stream(self.h2d, after_compute=True):  # after the compute that freed the buffers' memory
+            if self.cuda:
+                self.h2d.wait_stream(self.d2h)  # stage 1's copies out are done
+            o.copy_(host_o, non_blocking=True)
+            lse.copy_(host_lse, non_blocking=True)
+        done = None
+        if self.cuda:
+            done = torch.cuda.Event()
+            done.record(self.h2d)
+            o.record_stream(self.h2d)
+            lse.record_stream(self.h2d)
+        self._loaded[key] = (o, lse, done)
+
+    def prefetch(self, c: int) -> None:
+        """Stage 2, at chunk c's start: load its first layers' kept outputs."""
+        for i in range(LOOKAHEAD + 1):
+            self.load(c, i)
+
+    def get(self, c: int, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(o, lse) of layer i of chunk c on the device, usable on the current stream; None when
+        not kept. Stage 2 also starts loading the layer LOOKAHEAD ahead."""
+        if (c, i) in self._device:
+            return self._device[c, i]
+        if (c, i) not in self._slot:
+            return None
+        for j in range(i, i + LOOKAHEAD + 1):
+            self.load(c, j)
+        o, lse, done = self._loaded[c, i]
+        if done is not None:
+            torch.cuda.current_stream(self.device).wait_event(done)
+        return o, lse
+
+    def drop(self, c: int) -> None:
+        """Chunk c's stage 2 is done: free its entries (their slots are reused next step)."""
+        for i in self.layers:
+            self._device.pop((c, i), None)
+            self._loaded.pop((c, i), None)
+            slot = self._slot.pop((c, i), None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def clear(self) -> None:
+        for c in {c for c, _ in (*self._device, *self._slot)}:
+            self.drop(c)
+        self._device.clear()
+        self._loaded.clear()
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        o_shape, lse_shape, dtype = self._shapes
+        per_slab = self._slabs[0].numel() // self._entry_bytes
+        slab, offset = self._slabs[slot // per_slab], (slot % per_slab) * self._entry_bytes
+        o_bytes = torch.Size(o_shape).numel() * dtype.itemsize
+        lse_at = offset + -(-o_bytes // _ALIGN) * _ALIGN
+        o = slab[offset : offset + o_bytes].view(dtype).view(o_shape)
+        lse = slab[lse_at : lse_at + torch.Size(lse_shape).numel() * 4].view(torch.float32).view(lse_shape)
+        return o, lse
+
+    def _stream(self, stream, after_compute: bool):
+        if not self.cuda:
+            return contextlib.nullcontext()
+        if after_compute:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        return torch.cuda.stream(stream)
+
+
+def _slab_layout(n_entries: int, entry_bytes: int) -> tuple[int, int]:
+    """(slab bytes, entries per slab): 1 GiB slabs, or one slab of exactly the entries when they
+    take less (the allocator may round that one up to a power of two: under 1 GiB), or one entry
+    per slab when an entry is larger than 1 GiB."""
+    if n_entries * entry_bytes <= SLAB_BYTES:
+        return n_entries * entry_bytes, n_entries
+    slab = max(SLAB_BYTES, entry_bytes)
+    return slab, slab // entry_bytes
