@@ -307,19 +307,21 @@ def test_adamw8bit_on_the_gpu():
 
 
 def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
-    """keep_attention=None keeps when the outputs fit beside the pages, and not when the memory
-    still to come (reserved_gpu_bytes: the optimizer state) leaves too little room for them:
-    reserving all but the pages and 1.25x the outputs keeps, all but the pages and half the
-    outputs does not."""
+    """keep_attention=None keeps on the GPU when the outputs fit beside the pages, and on the host
+    when the memory still to come (reserved_gpu_bytes: the optimizer state) leaves too little room
+    for them: reserving all but the pages and 1.25x the outputs keeps them on the GPU, all but the
+    pages and half the outputs on the host (within kept_host_bytes; none with 0)."""
     ids = torch.randint(0, wide_model.config.vocab_size, (1, 32768), device="cuda")
-    for room, keeps in ((1.25, True), (0.5, False)):
-        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None)
+    for room, host_bytes, where in ((1.25, None, "gpu"), (0.5, 2**33, "host"), (0.5, 0, None)):
+        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None,
+                                           kept_host_bytes=host_bytes)
         pages = ids.shape[1] // engine.page_size
         need, kept = engine.store.device_bytes(1, pages), engine._attention_bytes(1, pages)
         assert kept > 2**27, "the outputs must take enough room for the boundary to mean something"
         engine.reserved_gpu_bytes = engine._headroom() - need - int(room * kept)
         engine.forward_backward(ids)
-        assert engine.keeps_attention == keeps, (room, kept)
+        assert engine.keeps_attention == (where is not None), (room, kept)
+        assert engine.kept.on_host == (where == "host") or where is None, (room, kept)
     wide_model.zero_grad(set_to_none=True)
 
 
