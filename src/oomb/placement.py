@@ -66,14 +66,12 @@ class PagePlacement:
         n_chunks = max_pages // (self.chunk_size // self.page_size)  # stored chunks
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         layers = sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
-        on_host = True
+        on_host = False
         if not training or self.keep_attention is False or n_chunks == 0:
             layers = []
-        elif (self.device.type == "cuda" and self.offload == "none"
-              and self.store.device_bytes(batch, max_pages) + self._attention_bytes(batch, max_pages)
-              <= self._headroom()):  # the room counts the pool
-            on_host = False
-        else:
+        elif not (self.device.type == "cuda" and self.offload == "none"
+                  and self.store.device_bytes(batch, max_pages) + self._attention_bytes(batch, max_pages)
+                  <= self._headroom()):  # on the GPU if they fit (the room counts the pool), else on the host
             entry = KeptAttention.entry_bytes(batch, self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
             budget = self._kept_host_budget(host_pages)
             n = len(layers)
@@ -86,7 +84,7 @@ class PagePlacement:
                     f"{human_bytes(need)} of pinned host memory (they do not fit on the GPU beside the pages), but "
                     f"the budget is {human_bytes(budget)}: {n} layers would fit. Use keep_attention=None (keeps as "
                     "many layers as fit), a larger kept_host_bytes, or keep_attention=False")
-            layers = layers[:n]
+            layers, on_host = layers[:n], n > 0
         self.kept.begin_step(layers, on_host, n_chunks, (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
         self.keeps_attention = bool(layers)
 
