@@ -2,14 +2,14 @@
 
 Stage 2 recomputes each chunk's forward under autograd; with a layer's attention output O and
 LSE from stage 1 (the same inputs give the same values), the recompute skips the attention
-forward, the step's largest recomputed kernel at long contexts (a 256K dense step: ~35 of
-~176 s; a 1M top-k step: ~9 s). What one (chunk, layer) takes: B x C x H x D in the weights'
-dtype + B x H x C fp32 (28.4 MiB for Qwen2.5-7B at chunk 4096), for every stored chunk.
+forward, the step's largest recomputed kernel at long contexts (H200, Qwen2.5-7B: a 256K dense
+step 176.4 -> 149.9 s; a 1M top-k step ~0.3 s per kept layer). What one (chunk, layer) takes:
+B x C x H x D in the weights' dtype + B x H x C fp32 (28.4 MiB at chunk 4096), every stored chunk.
 
 Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
 as the host budget holds. The host arena is a list of pinned slabs (1 GiB: a power of two, which
-torch's caching host allocator rounds every pinned allocation up to) holding fixed-size entries; each entry's
-slot comes from a free list of plain integers. Transfers are ordered by CUDA events, never by
+torch's caching host allocator rounds every pinned allocation up to) holding fixed-size entries;
+each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events, never by
 the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
   load (stage 2): the host->GPU stream waits for those copies (once a step) and for the compute
