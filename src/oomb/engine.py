@@ -82,7 +82,6 @@ class ChunkRecurrentEngine(PagePlacement):
         # True: every layer; None: as many as fit (host: within kept_host_bytes, default half the free).
         self.keep_attention = None if keep_attention is None else bool(keep_attention)
         self.kept_host_bytes = kept_host_bytes
-        self.keeps_attention = False
         self._kept_budget: int | None = None  # the default host budget, fixed at the first step
         # Each parameter's gradient is a sum over the chunks: in bf16 its rounding grows with their
         # number (~1.5e-2 relative at 256 chunks); param_grad_dtype sums them in fp32 buffers and

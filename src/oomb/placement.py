@@ -86,7 +86,12 @@ class PagePlacement:
                     "many layers as fit), a larger kept_host_bytes, or keep_attention=False")
             layers, on_host = layers[:n], n > 0
         self.kept.begin_step(layers, on_host, n_chunks, (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
-        self.keeps_attention = bool(layers)
+
+    @property
+    def keeps_attention(self) -> bool:
+        """Whether this step keeps stage 1's attention outputs (of kept.layers, on the host when
+        kept.on_host)."""
+        return bool(self.kept.layers)
 
     def _kept_host_budget(self, host_pages: int) -> int:
         """Host bytes kept attention outputs may pin: kept_host_bytes as given (a virtual machine

@@ -9,8 +9,8 @@ B x C x H x D in the weights' dtype + B x H x C fp32 (28.4 MiB at chunk 4096), e
 Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
 as the host budget holds. The host arena is a list of pinned slabs (1 GiB: a power of two, which
 torch's caching host allocator rounds every pinned allocation up to) holding fixed-size entries;
-each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events, never by
-the host thread:
+each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events,
+never by the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
   load (stage 2): the host->GPU stream waits for those copies (once a step) and for the compute
                   queued before the device buffers were allocated, then copies in; the compute
@@ -91,12 +91,9 @@ class KeptAttention:
                            for _ in range(-(-n // per_slab))]
             self._entry_bytes = entry
             self._free = list(range(len(self._slabs) * per_slab))
-        self._free.sort(reverse=True)
 
     def put(self, c: int, i: int, o: torch.Tensor, lse: torch.Tensor) -> None:
-        """Stage 1: keep layer i's (o, lse) of chunk c, if this step keeps layer i."""
-        if i not in self.layers:
-            return
+        """Stage 1: keep layer i's (o, lse) of chunk c (i in self.layers)."""
         if not self.on_host:
             self._device[c, i] = (o, lse)
             return
@@ -162,8 +159,8 @@ class KeptAttention:
                 self._free.append(slot)
 
     def clear(self) -> None:
-        for c in {c for c, _ in (*self._device, *self._slot)}:
-            self.drop(c)
+        self._free.extend(self._slot.values())
+        self._slot.clear()
         self._device.clear()
         self._loaded.clear()
 
