@@ -93,7 +93,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
         step.host_layers = lambda: len(engine.store.host_layers)
         step.kept = lambda: {"kept_layers": len(engine.kept.layers),
-                             "kept_where": ("host" if engine.kept.on_host else "gpu") if engine.kept.layers else None,
+                             "kept_where": engine.kept.where,
                              "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2)}
 
         def reserve(tokens: int) -> None:

@@ -12,7 +12,7 @@ torch's caching host allocator rounds every pinned allocation up to) holding fix
 each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events,
 never by the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
-  load (stage 2): the host->GPU stream waits for those copies (once a step) and for the compute
+  load (stage 2): the host->GPU stream waits for those copies (long done by then) and for the compute
                   queued before the device buffers were allocated, then copies in; the compute
                   stream waits for a layer's copy only when that layer's attention runs.
 Stage 2 loads a chunk's outputs `LOOKAHEAD` layers ahead of their use, so each ~1 ms transfer
@@ -68,6 +68,11 @@ class KeptAttention:
         return len(self._device) + len(self._slot)
 
     @property
+    def where(self) -> str | None:
+        """'gpu' or 'host' where this step keeps outputs, None when it keeps none."""
+        return ("host" if self.on_host else "gpu") if self.layers else None
+
+    @property
     def arena_bytes(self) -> int:
         return sum(s.numel() for s in self._slabs)
 
@@ -99,7 +104,7 @@ class KeptAttention:
             return
         slot = self._free.pop()
         host_o, host_lse = self._views(slot)
-        with self._stream(self.d2h, after_compute=True):
+        with self._after_compute(self.d2h):
             host_o.copy_(o, non_blocking=True)
             host_lse.copy_(lse, non_blocking=True)
         if self.cuda:
@@ -117,7 +122,7 @@ class KeptAttention:
         o = torch.empty(o_shape, dtype=dtype, device=self.device)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=self.device)
         host_o, host_lse = self._views(self._slot[key])
-        with self._stream(self.h2d, after_compute=True):  # after the compute that freed the buffers' memory
+        with self._after_compute(self.h2d):  # after the compute that freed the buffers' memory
             if self.cuda:
                 self.h2d.wait_stream(self.d2h)  # stage 1's copies out are done
             o.copy_(host_o, non_blocking=True)
@@ -176,11 +181,11 @@ class KeptAttention:
         lse = slab[lse_at : lse_at + torch.Size(lse_shape).numel() * 4].view(torch.float32).view(lse_shape)
         return o, lse
 
-    def _stream(self, stream, after_compute: bool):
+    def _after_compute(self, stream):
+        """Run on `stream` once the compute queued so far is done (nothing on a CPU model)."""
         if not self.cuda:
             return contextlib.nullcontext()
-        if after_compute:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
 
 

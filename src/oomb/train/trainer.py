@@ -127,8 +127,7 @@ def kept_attention(engine: ChunkRecurrentEngine) -> str:
     kept = engine.kept
     if not kept.layers:
         return ""
-    where = "host" if kept.on_host else "GPU"
-    return f"kept attention ({len(kept.layers)} of {engine.adapter.n_layers - 1} layers, {where}), "
+    return f"kept attention ({len(kept.layers)} of {engine.adapter.n_layers - 1} layers, {kept.where}), "
 
 
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
