@@ -128,8 +128,12 @@ def worker(args) -> None:
                             compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
                             args.kept_host_gib)
     vocab = model.config.vocab_size
-    warm = min(8192, args.lengths[0])
-    step(torch.randint(0, vocab, (1, warm), device=args.device))  # warm-up: kernels compiled, grads allocated
+    # Warm-up: kernels compiled, grads allocated. Six chunks, so that the last reads 5 chunks of
+    # earlier pages (160 at 4096 tokens): more than one dense group of pages (128: the kernels'
+    # second group runs without the chunk's own keys, a variant of its own) and than top-k's
+    # budget (64). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
+    warm = min(6 * args.chunk_size, args.lengths[0])
+    step(torch.randint(0, vocab, (1, warm), device=args.device))
     t0 = time.perf_counter()
     reserve(max(args.lengths))
     reserve_s = round(time.perf_counter() - t0, 1)

@@ -67,3 +67,103 @@ def test_store_roundtrip_and_grad_pages():
     assert store.table.unique().numel() == store.table.numel() == 2 * 2 * 4
     store.free_all()
     assert store.pool.n_free == store.pool.n_slots
+
+
+class _FakeCudart:
+    """cudaHostRegister / cudaHostUnregister on a CPU machine: records what was registered and
+    whether the memory was still mapped when its registration ended."""
+
+    def __init__(self):
+        self.registered, self.unregistered = {}, []
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        self.registered[ptr] = nbytes
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        self.unregistered.append((ptr, _mapped(ptr)))
+        del self.registered[ptr]
+        return 0
+
+
+def _mapped(ptr: int) -> bool:
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.fixture
+def fake_cudart(monkeypatch):
+    fake = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    return fake
+
+
+def test_empty_pinned_exact_aligned_and_unregistered_after_the_last_view(fake_cudart):
+    """Exactly the bytes asked for (torch's pinned allocator would round 48 MiB up to 64), page
+    aligned, zeroed, registered once; unregistered only when the last view is gone, while the
+    memory is still mapped (64 MiB: above malloc's mmap threshold, so freeing unmaps it)."""
+    import gc
+
+    from oomb.memory.pinned import PAGE_BYTES, empty_pinned
+
+    shape = (3, 2**20, 4)  # 48 MiB of fp32
+    t = empty_pinned(shape, torch.float32)
+    ptr, nbytes = t.data_ptr(), 48 * 2**20
+    assert t.shape == shape and t.dtype == torch.float32 and ptr % PAGE_BYTES == 0
+    assert fake_cudart.registered == {ptr: nbytes} and not t.any()
+    big = empty_pinned((64 * 2**20,), torch.uint8)
+    view = big[PAGE_BYTES:]
+    del big, t
+    gc.collect()
+    assert fake_cudart.unregistered == [(ptr, True)]  # t had no other view
+    view.fill_(1)  # still registered and alive through the view
+    assert len(fake_cudart.registered) == 1
+    big_ptr = view.data_ptr() - PAGE_BYTES
+    del view
+    gc.collect()
+    assert fake_cudart.unregistered[1] == (big_ptr, True) and not fake_cudart.registered
+
+
+def test_empty_pinned_without_pinning_is_a_plain_tensor(fake_cudart):
+    from oomb.memory.pinned import empty_pinned
+
+    t = empty_pinned((5, 7), torch.bfloat16, pin=False)
+    assert t.shape == (5, 7) and t.dtype == torch.bfloat16 and not fake_cudart.registered
+    assert empty_pinned((0, 3), torch.float32).numel() == 0 and not fake_cudart.registered
+
+
+def test_touch_threads_share_the_cpus_between_local_ranks(monkeypatch):
+    import os
+
+    from oomb.memory.pinned import touch_threads
+
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert touch_threads() == min(16, cpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
+    assert touch_threads() == 1
+
+
+@pytest.mark.gpu
+def test_empty_pinned_on_the_gpu_machine():
+    """Registered memory is pinned and mapped: asynchronous copies both ways, and a kernel that
+    reads host memory directly (offload's row gather), give back the bytes."""
+    from oomb.memory.offload import copy_rows
+    from oomb.memory.pinned import empty_pinned
+
+    host = empty_pinned((64, 1024), torch.bfloat16)
+    assert host.is_pinned()
+    src = torch.randn(64, 1024, device="cuda").to(torch.bfloat16)
+    host.copy_(src, non_blocking=True)
+    back = torch.empty_like(src)
+    back.copy_(host, non_blocking=True)
+    rows = torch.tensor([5, 0, 63], device="cuda")
+    gathered = torch.empty(3, 1024, dtype=torch.bfloat16, device="cuda")
+    copy_rows(host, rows, gathered, None)
+    torch.cuda.synchronize()
+    assert torch.equal(back, src) and torch.equal(gathered, src[rows])

@@ -7,9 +7,8 @@ step 176.4 -> 149.9 s; a 1M top-k step ~0.3 s per kept layer). What one (chunk, 
 B x C x H x D in the weights' dtype + B x H x C fp32 (28.4 MiB at chunk 4096), every stored chunk.
 
 Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
-as the host budget holds. The host arena is a list of pinned slabs (1 GiB: a power of two, which
-torch's caching host allocator rounds every pinned allocation up to) holding fixed-size entries;
-each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events,
+as the host budget holds. The host arena is one pinned block (memory/pinned.py: exactly its
+bytes) of fixed-size entries; each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events,
 never by the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
   load (stage 2): the host->GPU stream waits for those copies (long done by then) and for the compute
@@ -24,7 +23,8 @@ import contextlib
 
 import torch
 
-SLAB_BYTES = 2**30
+from .pinned import empty_pinned
+
 LOOKAHEAD = 2  # layers between a kept output's load and its use in stage 2
 _ALIGN = 256
 
@@ -38,7 +38,7 @@ class KeptAttention:
         self._device: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._slot: dict[tuple[int, int], int] = {}  # host entries
         self._loaded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
-        self._slabs: list[torch.Tensor] = []  # pinned uint8
+        self._arena: torch.Tensor | None = None  # pinned uint8, n entries
         self._entry_bytes = 0
         self._free: list[int] = []
         self.h2d = torch.cuda.Stream(self.device) if self.cuda else None
@@ -56,11 +56,8 @@ class KeptAttention:
 
     @staticmethod
     def host_bytes(n_entries: int, entry_bytes: int) -> int:
-        """Pinned bytes an arena of n_entries takes (whole slabs)."""
-        if n_entries == 0:
-            return 0
-        slab, per_slab = _slab_layout(n_entries, entry_bytes)
-        return -(-n_entries // per_slab) * slab
+        """Pinned bytes an arena of n_entries takes."""
+        return n_entries * entry_bytes
 
     @property
     def n_entries(self) -> int:
@@ -74,7 +71,7 @@ class KeptAttention:
 
     @property
     def arena_bytes(self) -> int:
-        return sum(s.numel() for s in self._slabs)
+        return 0 if self._arena is None else self._arena.numel()
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -90,12 +87,10 @@ class KeptAttention:
         entry = self.entry_bytes(b, c, h, d, dtype.itemsize)
         n = len(layers) * n_chunks
         if entry != self._entry_bytes or n > len(self._free):
-            self._slabs = []  # free the old arena before pinning the new one
-            slab, per_slab = _slab_layout(n, entry)
-            self._slabs = [torch.empty(slab, dtype=torch.uint8, pin_memory=self.cuda)
-                           for _ in range(-(-n // per_slab))]
+            self._arena = None  # free the old arena before pinning the new one
+            self._arena = empty_pinned((n * entry,), torch.uint8, pin=self.cuda)
             self._entry_bytes = entry
-            self._free = list(range(len(self._slabs) * per_slab))
+            self._free = list(range(n))
 
     def put(self, c: int, i: int, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Stage 1: keep layer i's (o, lse) of chunk c (i in self.layers)."""
@@ -173,12 +168,11 @@ class KeptAttention:
 
     def _views(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         o_shape, lse_shape, dtype = self._shapes
-        per_slab = self._slabs[0].numel() // self._entry_bytes
-        slab, offset = self._slabs[slot // per_slab], (slot % per_slab) * self._entry_bytes
+        offset = slot * self._entry_bytes
         o_bytes = torch.Size(o_shape).numel() * dtype.itemsize
         lse_at = offset + -(-o_bytes // _ALIGN) * _ALIGN
-        o = slab[offset : offset + o_bytes].view(dtype).view(o_shape)
-        lse = slab[lse_at : lse_at + torch.Size(lse_shape).numel() * 4].view(torch.float32).view(lse_shape)
+        o = self._arena[offset : offset + o_bytes].view(dtype).view(o_shape)
+        lse = self._arena[lse_at : lse_at + torch.Size(lse_shape).numel() * 4].view(torch.float32).view(lse_shape)
         return o, lse
 
     def _after_compute(self, stream):
@@ -188,12 +182,3 @@ class KeptAttention:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         return torch.cuda.stream(stream)
 
-
-def _slab_layout(n_entries: int, entry_bytes: int) -> tuple[int, int]:
-    """(slab bytes, entries per slab): 1 GiB slabs, or one slab of exactly the entries when they
-    take less (the allocator may round that one up to a power of two: under 1 GiB), or one entry
-    per slab when an entry is larger than 1 GiB."""
-    if n_entries * entry_bytes <= SLAB_BYTES:
-        return n_entries * entry_bytes, n_entries
-    slab = max(SLAB_BYTES, entry_bytes)
-    return slab, slab // entry_bytes

@@ -1,7 +1,7 @@
 """Pages that live on the host, and their trips to the GPU (offload 'all' and 'auto').
 
-Host arena, one block per layer and buffer, allocated once (pinned on CUDA: pinning runs at
-~1.5 GB/s, so it is done once and reused across steps), page-major so that a chunk's pages
+Host arena, one block per layer and buffer, allocated once (pinned on CUDA, by memory/pinned.py:
+~12 GB/s, done once and reused across steps), page-major so that a chunk's pages
 and a group's pages are each one contiguous range:
     k, v    (max_pages, B, Hkv, P, D)  model dtype
     dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pinned import empty_pinned
 from .spec import LayerPages, PageSpec
 
 
@@ -96,12 +97,12 @@ class HostPages:
             self.arena = {}  # free the old arena before pinning the new one
             pin = self.cuda
             dtypes = (s.dtype, s.dtype) + ((s.grad_dtype, s.grad_dtype) if s.grads else ())
-            self.arena = {layer: [torch.empty(shape, dtype=dt, pin_memory=pin) for dt in dtypes]
+            self.arena = {layer: [empty_pinned(shape, dt, pin) for dt in dtypes]
                           for layer in self.layers}
             if self.rep_size:
                 reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
                 for layer in self.layers:
-                    self.arena[layer].append(torch.empty(reps, dtype=s.dtype, pin_memory=pin))
+                    self.arena[layer].append(empty_pinned(reps, s.dtype, pin))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
