@@ -63,9 +63,10 @@ def _kernel(kind: str, sparse: bool) -> tuple:
         return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
-        ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP="*bf16",
-                    VP="*bf16", Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True)
+        desc = DESC.format(n=cfg["BLOCK_N2"], d=128) if paged.DQ_TMA else "*bf16"
+        ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP=desc,
+                    VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=paged.DQ_TMA)
         return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg["warps2"], num_stages=cfg["stages2"])
     if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")

@@ -43,6 +43,8 @@ MAX_HEAD_DIM = 256
 # The forward loads page tiles through tensor descriptors where it can (_tma_pools): +10 % forward
 # TFLOP/s on the H200 (docs/benchmarks.md). OOMB_TMA=0 turns it off.
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
+# The dQ kernel's page loop the forward's way (tensor descriptors, slots from registers); OOMB_DQ_TMA=0: pointers.
+DQ_TMA = os.environ.get("OOMB_DQ_TMA", "1") != "0"
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -296,15 +298,19 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             dv = dv.view(b, n_kv, group, c, d).sum(2).to(v.dtype)
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
+    block_n = min(cfg["BLOCK_N2"], page_size)
+    kp, vp, tma = pages.k, pages.v, DQ_TMA and _tma_pools(q, pages, d)
+    if tma:
+        kp, vp = (TensorDescriptor.from_tensor(x, [1, 1, block_n, d]) for x in (pages.k, pages.v))
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
-        q, do, lse, delta, k, v, pages.k, pages.v, pages.table, sp["Sel"], sp["Span"], dq,
+        q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
         c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=min(cfg["BLOCK_N2"], page_size), IN_PRECISION=precision,
-        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0,
+        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=block_n, IN_PRECISION=precision,
+        INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
         num_warps=cfg["warps2"], num_stages=cfg["stages2"],
     )
     return dq, dk, dv

@@ -6,7 +6,7 @@ the grids; the semantics are attention/reference.py's.
 import triton
 import triton.language as tl
 
-from .paged_forward import _diagonal_visible, _own_key_tiles, _page_range, _page_slot, _page_tile, _pick
+from .paged_forward import _diagonal_visible, _own_key_tiles, _page_range, _page_slot, _page_tile, _pick, _slot_batch
 
 
 @triton.jit
@@ -69,11 +69,9 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask
 
 
 @triton.jit
-def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_scale,
-                 MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+def _attn_bwd_dq_tile(dq, q, do, lse, delta, kT, vT, visible, qk_scale, MASK: tl.constexpr,
+                      IN_PRECISION: tl.constexpr):
     """One key tile into dQ of a query tile. q, do (BLOCK_M, HEAD_DIM); kT, vT (HEAD_DIM, BLOCK_N)."""
-    kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
-    vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
     qk = tl.dot(q, kT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N), log2 units
     p = tl.math.exp2(qk - lse[:, None])
     if MASK:
@@ -82,6 +80,15 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
     ds = p * (dp - delta[:, None])
     dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=IN_PRECISION)
     return dq
+
+
+@triton.jit
+def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_scale,
+                 MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """_attn_bwd_dq_tile of the key tile at kT_ptrs / vT_ptrs."""
+    kT = tl.load(kT_ptrs, mask=kv_mask, other=0.0)
+    vT = tl.load(vT_ptrs, mask=kv_mask, other=0.0)
+    return _attn_bwd_dq_tile(dq, q, do, lse, delta, kT, vT, visible, qk_scale, MASK, IN_PRECISION)
 
 
 @triton.jit
@@ -248,9 +255,11 @@ def _paged_attn_bwd_dq(
     C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr, SLOTS: tl.constexpr,
 ):
-    """One program per (query tile, b, head); loops over the page key tiles, then the chunk."""
+    """One program per (query tile, b, head); loops over the page key tiles, then the chunk.
+    TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)) and the
+    page loop runs as the forward's (slots from registers, SLOTS pages at a time); else pointers."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -275,16 +284,30 @@ def _paged_attn_bwd_dq(
     kv_mask = mask_d[:, None]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
-    # The slot loads stay inside this loop: from registers (as in the forward) its pages
-    # measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, docs/benchmarks.md).
-    for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
-        slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
-        base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
-                                        stride_pn, PAGE_SIZE, BLOCK_N)
-        kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-        dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
-                          IN_PRECISION)
+    if TMA:
+        for p0 in range(p_lo, p_hi, SLOTS):
+            slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
+            for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
+                slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
+                _, in_window, n0 = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                              stride_pn, PAGE_SIZE, BLOCK_N)
+                coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
+                k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                dq = _attn_bwd_dq_tile(dq, q, do, lse, delta, tl.trans(k), tl.trans(v), in_window, qk_scale,
+                                       WINDOWED, IN_PRECISION)
+    else:
+        # The slot loads stay inside this loop: with pointers, from registers (as in the
+        # forward) its pages measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms,
+        # docs/benchmarks.md).
+        for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
+            slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
+            base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                            stride_pn, PAGE_SIZE, BLOCK_N)
+            kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+            vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
+                              IN_PRECISION)
 
     if INCLUDE_SELF:
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
