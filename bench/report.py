@@ -64,7 +64,8 @@ def step_table(rows: list[dict]) -> str:
     """One table per run: a row per length, two columns (tok/s, peak) per implementation."""
     if not rows:
         return "_no step results yet_"
-    rows = [{**r, "impl": _label(r)} for r in rows if not r.get("profiled")]
+    # profiled steps are slower; an excluded row says why it does not count (a disturbed run)
+    rows = [{**r, "impl": _label(r)} for r in rows if not r.get("profiled") and not r.get("excluded")]
     out = []
     runs = defaultdict(list)  # a table per run and model configuration
     for key, run in by_run(rows).items():

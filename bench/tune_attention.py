@@ -5,8 +5,9 @@ the current configuration's output. Feeds `_fwd_config` / `_bwd_config` in atten
     python bench/tune_attention.py --keys 65536 --out $OUT/tune.jsonl
     python bench/tune_attention.py --kinds fwd --sparse 64 --keys 1048576   # the sparse 1M shape
 
-Each row records whether the forward's page tiles went through tensor descriptors (`tma`:
-OOMB_TMA, on by default on Hopper), which changes what the best pipeline depth is.
+Each row records whether the forward's and the dQ kernel's page tiles went through tensor
+descriptors (`tma`: OOMB_TMA, `dq_tma`: OOMB_DQ_TMA, both on by default on Hopper), which changes
+what the best pipeline depth is.
 """
 from __future__ import annotations
 
@@ -58,7 +59,8 @@ def main() -> None:
                 paged._fwd_config = lambda q, d, cfg=cfg: cfg
             else:
                 paged._bwd_config = lambda q, d, cfg=cfg: {**default_bwd(q, d), **cfg}
-            row = {"kind": kind, "N": args.keys, "sparse_budget": args.sparse, "tma": paged.TMA, **cfg}
+            row = {"kind": kind, "N": args.keys, "sparse_budget": args.sparse, "tma": paged.TMA, "dq_tma": paged.DQ_TMA,
+                   **cfg}
             try:
                 r = run()
                 ms = r["fwd_ms" if kind == "fwd" else "bwd_ms"]
