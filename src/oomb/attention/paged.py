@@ -121,7 +121,8 @@ def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
         return dict(BLOCK_M1=16, BLOCK_N1=64, warps1=4, stages1=1, BLOCK_M2=64, BLOCK_N2=16, warps2=4, stages2=1)
     # bench/tune_attention.py on an H200 (as _fwd_config): 362.9 TFLOP/s (2.5x fwd FLOPs); 64x64
     # tiles with 4 warps and 2 stages 373.0 in the sweep but slower in the step; 32-query tiles
-    # 324.7 or less.
+    # 324.7 or less. With dQ's descriptor loop (DQ_TMA): 400.5 for these dQ settings, 401.5 with
+    # 4 stages, 392.8 with 128-key tiles and 2 stages (3 and 4 do not fit shared memory).
     return dict(BLOCK_M1=64, BLOCK_N1=128, warps1=8, stages1=3, BLOCK_M2=128, BLOCK_N2=64, warps2=8, stages2=3)
 
 
