@@ -6,7 +6,8 @@ the grids; the semantics are attention/reference.py's.
 import triton
 import triton.language as tl
 
-from .paged_forward import _diagonal_visible, _own_key_tiles, _page_range, _page_slot, _page_tile, _pick, _slot_batch
+from .paged_forward import (_diagonal_visible, _own_key_tiles, _page_kv, _page_range, _page_slot, _page_tile, _pick,
+                            _slot_batch)
 
 
 @triton.jit
@@ -288,12 +289,8 @@ def _paged_attn_bwd_dq(
         for p0 in range(p_lo, p_hi, SLOTS):
             slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
             for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
-                slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
-                _, in_window, n0 = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
-                                              stride_pn, PAGE_SIZE, BLOCK_N)
-                coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
-                k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
-                v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                k, v, in_window = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps,
+                                           stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS)
                 dq = _attn_bwd_dq_tile(dq, q, do, lse, delta, tl.trans(k), tl.trans(v), in_window, qk_scale,
                                        WINDOWED, IN_PRECISION)
     else:

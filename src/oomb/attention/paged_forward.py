@@ -93,6 +93,19 @@ def _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, strid
 
 
 @triton.jit
+def _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps, stride_ph, stride_pn,
+             PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, SLOTS: tl.constexpr):
+    """The t-th page key tile through the pools' tensor descriptors KP, VP (block (1, 1, BLOCK_N,
+    HEAD_DIM)), its page's slot picked from `slots` (_slot_batch of the pages from p0): k, v
+    (BLOCK_N, HEAD_DIM) and which (query, key) pairs a sliding window lets through."""
+    slot = _pick(slots, t // (PAGE_SIZE // BLOCK_N) - p0, SLOTS).to(tl.int64)
+    _, in_window, n0 = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph, stride_pn,
+                                  PAGE_SIZE, BLOCK_N)
+    coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
+    return KP.load(coords).reshape(BLOCK_N, HEAD_DIM), VP.load(coords).reshape(BLOCK_N, HEAD_DIM), in_window
+
+
+@triton.jit
 def _diagonal_visible(cols, offs_m, C, window, WINDOWED: tl.constexpr):
     """Own keys `cols` of a diagonal tile: which each query sees (causal j <= i, j < C, and
     inside the window), and which are inside the chunk (keys past it are padding)."""
@@ -174,16 +187,15 @@ def _paged_attn_fwd(
     for p0 in range(p_lo, p_hi, SLOTS):
         slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
         for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
-            slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
-            base, in_window, n0 = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
-                                             stride_pn, PAGE_SIZE, BLOCK_N)
             if TMA:
-                coords = [slot.to(tl.int32), off_kvh.to(tl.int32), n0, 0]
-                k = KP.load(coords).reshape(BLOCK_N, HEAD_DIM)
-                v = VP.load(coords).reshape(BLOCK_N, HEAD_DIM)
+                k, v, in_window = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps,
+                                           stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS)
                 acc, l_i, m_i = _attn_fwd_tile(acc, l_i, m_i, q, tl.trans(k), v, in_window, qk_scale, WINDOWED,
                                                IN_PRECISION)
             else:
+                slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
+                base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                                stride_pn, PAGE_SIZE, BLOCK_N)
                 kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
                 v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
                 acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
