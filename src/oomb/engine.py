@@ -177,8 +177,8 @@ class ChunkRecurrentEngine(PagePlacement):
 
     def reserve(self, batch: int, seq_len: int) -> None:
         """Allocate the page pool (and pinned host arena) for steps up to (batch, seq_len) now,
-        so the first step does not pay for it (pinning runs at ~12 GB/s: ~15 s for 1M tokens of
-        Qwen2.5-7B pages and attention outputs on the host)."""
+        so the first step does not pay for it (pinning runs at ~12.8 GB/s on the H200 machine,
+        bench/bench_pin.py)."""
         n_chunks = -(-seq_len // self.chunk_size)
         self._begin_step(batch, (n_chunks - 1) * (self.chunk_size // self.page_size))
 

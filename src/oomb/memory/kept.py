@@ -8,8 +8,8 @@ B x C x H x D in the weights' dtype + B x H x C fp32 (28.4 MiB at chunk 4096), e
 
 Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
 as the host budget holds. The host arena is one pinned block (memory/pinned.py: exactly its
-bytes) of fixed-size entries; each entry's slot comes from a free list of plain integers. Transfers are ordered by CUDA events,
-never by the host thread:
+bytes) of fixed-size entries; each entry's slot comes from a free list of plain integers.
+Transfers are ordered by CUDA events, never by the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
   load (stage 2): the host->GPU stream waits for those copies (long done by then) and for the compute
                   queued before the device buffers were allocated, then copies in; the compute
