@@ -72,9 +72,10 @@ def _kernel(kind: str, sparse: bool) -> tuple:
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
         const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
         return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
-    ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
+    qdesc = DESC.format(n=cfg["BLOCK_M1"], d=128) if paged.DKDV_TMA else "*bf16"
+    ptrs = dict(Q=qdesc, DO=qdesc, LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
                 DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
-    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
+    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=paged.DKDV_TMA)
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 

@@ -172,8 +172,8 @@ def test_matches_reference(case, dtype):
 @pytest.mark.parametrize("case", [c for c in CASES if c[4] in (16, 32) and c[6] > 0],
                          ids=lambda c: "B{}H{}kv{}C{}D{}P{}n{}".format(*c))
 def test_pointer_forward_matches_reference(case, monkeypatch):
-    """OOMB_TMA=0: the forward's page tiles through pointers, where 16-bit pools of a power-of-two
-    head_dim otherwise go through tensor descriptors (the other cases here)."""
+    """OOMB_TMA=0: the forward's and dQ's page tiles through pointers, where 16-bit pools of a
+    power-of-two head_dim otherwise go through tensor descriptors (the other cases here)."""
     monkeypatch.setattr(paged, "TMA", False)
     run_case(*case, torch.float16, "cpu")
 
@@ -181,6 +181,19 @@ def test_pointer_forward_matches_reference(case, monkeypatch):
 def test_pointer_sparse_forward_matches_reference(monkeypatch):
     monkeypatch.setattr(paged, "TMA", False)
     sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
+
+
+def test_query_descriptors_in_the_dkdv_kernel(monkeypatch):
+    """OOMB_DKDV_TMA=1 (off by default until measured on a GPU): the dK/dV pages kernel loads its
+    query tiles (Q, dO) through tensor descriptors; dense (a chunk of 97 rows: a partial last
+    tile, zero-filled past the chunk) and top-k, against the reference."""
+    monkeypatch.setattr(paged, "DKDV_TMA", True)
+    taken = []
+    real = paged._query_descriptors
+    monkeypatch.setattr(paged, "_query_descriptors", lambda *a: taken.append(real(*a)[2]) or real(*a))
+    run_case(2, 4, 1, 97, 16, 16, 3, torch.float16, "cpu")
+    sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
+    assert taken and all(taken)
 
 
 def test_tensor_descriptors_where_they_apply(monkeypatch):

@@ -45,6 +45,9 @@ MAX_HEAD_DIM = 256
 # OOMB_TMA=0 turns both off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop).
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
 DQ_TMA = os.environ.get("OOMB_DQ_TMA", "1") != "0"
+# The dK/dV pages kernel's query tiles (Q, dO) through tensor descriptors: not yet measured on a GPU,
+# off unless OOMB_DKDV_TMA=1 (docs/benchmarks.md, session 16).
+DKDV_TMA = os.environ.get("OOMB_DKDV_TMA", "0") == "1"
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -224,6 +227,20 @@ def _page_pools(q: torch.Tensor, pages: LayerPages, d: int, block_n: int, enable
     return *(TensorDescriptor.from_tensor(x, [1, 1, block_n, d]) for x in (pages.k, pages.v)), True
 
 
+def _query_descriptors(q: torch.Tensor, do: torch.Tensor, d: int, block_m: int, enabled: bool):
+    """(q, do, tma) as the dK/dV pages kernel takes them: tensor descriptors of (1, 1, block_m, d)
+    blocks when `enabled` on a Hopper or later GPU (or the interpreter), 16-bit inputs, a
+    power-of-two head_dim and 16-byte aligned strides; else the tensors themselves."""
+    tensors = (q, do)
+    ok = (enabled and TMA and d == _head_dim_block(d) and q.dtype in (torch.float16, torch.bfloat16)
+          and not (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9)
+          and all(x.stride(-1) == 1 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
+                  and x.data_ptr() % 16 == 0 for x in tensors))
+    if not ok:
+        return q, do, False
+    return *(TensorDescriptor.from_tensor(x, [1, 1, block_m, d]) for x in tensors), True
+
+
 def _tma_pools(q: torch.Tensor, pages: LayerPages, d: int) -> bool:
     """Whether the forward reads page tiles through tensor descriptors (the TMA unit): not
     turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or the interpreter), 16-bit
@@ -274,8 +291,9 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         visits = _page_visits(pages)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
+        q_in, do_in, tma = _query_descriptors(q, do, d, cfg["BLOCK_M1"], DKDV_TMA)
         _paged_attn_bwd_dkdv_pages[grid](
-            q, do, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
+            q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
             visits["Visits"], visits["NVisits"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
@@ -283,7 +301,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
             WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
-            **launch1,
+            TMA=tma, **launch1,
         )
 
     dk = dv = None

@@ -44,25 +44,37 @@ def _paged_attn_bwd_preprocess(
 
 
 @triton.jit
-def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, offs_m, offs_n, offs_d, mask_d,
-                   stride_qm, stride_qd, stride_dom, stride_dod, C, qk_scale,
-                   MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window, WINDOWED: tl.constexpr):
-    """One query tile into dK/dV of a key tile. k, v (BLOCK_N, HEAD_DIM); Q, DO, LSE, Delta
-    point at the query head's row 0."""
+def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
+                   stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
+                   C, H, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window,
+                   WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+    """Query head off_h's tile of rows start_m .. into dK/dV of a key tile k, v (BLOCK_N,
+    HEAD_DIM). Rows past the chunk load q = dO = 0 and LSE +inf, so their P is 0. TMA: Q and DO
+    are tensor descriptors of (B, H, C, D) with (1, 1, BLOCK_M, HEAD_DIM) blocks, else pointers
+    (B, H, C, D) with the given strides."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
     mask_m = offs_m < C
-    qT = tl.load(Q + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
-                 mask=mask_m[None, :] & mask_d[:, None], other=0.0)  # (HEAD_DIM, BLOCK_M)
-    lse = tl.load(LSE + offs_m, mask=mask_m, other=float("inf"))
+    row = (off_b * H + off_h) * C
+    coords = [off_b.to(tl.int32), off_h.to(tl.int32), start_m, 0]
+    if TMA:
+        qT = tl.trans(Q.load(coords).reshape(BLOCK_M, HEAD_DIM))
+    else:
+        qT = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
+                     mask=mask_m[None, :] & mask_d[:, None], other=0.0)  # (HEAD_DIM, BLOCK_M)
+    lse = tl.load(LSE + row + offs_m, mask=mask_m, other=float("inf"))
     qkT = tl.dot(k, qT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
     pT = tl.math.exp2(qkT - lse[None, :])
     if MASK:  # diagonal tiles only: key j visible to query i iff j <= i
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
     if WINDOWED:  # sliding window: key at kpos (relative to the chunk) visible iff kpos > i - window
         pT = tl.where(kpos[:, None] > offs_m[None, :] - window, pT, 0.0)
-    do = tl.load(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
+    if TMA:
+        do = DO.load(coords).reshape(BLOCK_M, HEAD_DIM)
+    else:
+        do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
+                     + offs_d[None, :] * stride_dod, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
-    delta = tl.load(Delta + offs_m, mask=mask_m, other=0.0)
+    delta = tl.load(Delta + row + offs_m, mask=mask_m, other=0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=IN_PRECISION)
@@ -103,10 +115,11 @@ def _paged_attn_bwd_dkdv_pages(
     C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr, TMA: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
-    of the gradient pages, so the read-modify-write needs no atomics.
+    of the gradient pages, so the read-modify-write needs no atomics. TMA: Q and DO are tensor
+    descriptors (_attn_bwd_dkdv).
 
     Sparse: the program visits only the query blocks that chose its page, listed in Visits
     (B, Hkv, n_pages, n_blocks) int32 (the first NVisits (B, Hkv, n_pages) entries), as one flat
@@ -149,12 +162,11 @@ def _paged_attn_bwd_dkdv_pages(
         for it in range(0, n_visits * per_block):
             blk = _pick(visits, it // per_block, MAX_BLOCKS)
             off_h = off_kvh * GROUP + (it // tiles_per_block) % GROUP
-            offs_m = blk * block_q + (it % tiles_per_block) * BLOCK_M + tl.arange(0, BLOCK_M)
-            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q + off_b * stride_qb + off_h * stride_qh,
-                                    DO + off_b * stride_dob + off_h * stride_doh, LSE + (off_b * H + off_h) * C,
-                                    Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
-                                    stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
-                                    window, False)
+            start_m = blk * block_q + (it % tiles_per_block) * BLOCK_M
+            dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
+                                    stride_qb, stride_qh, stride_qm, stride_qd,
+                                    stride_dob, stride_doh, stride_dom, stride_dod,
+                                    C, H, qk_scale, False, IN_PRECISION, kpos, window, False, BLOCK_M, HEAD_DIM, TMA)
     else:
         # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
         q_hi = C
@@ -162,14 +174,12 @@ def _paged_attn_bwd_dkdv_pages(
             q_hi = tl.minimum(C, kpos0 + page * PAGE_SIZE + start_n + BLOCK_N - 1 + window)
         for g in range(GROUP):
             off_h = off_kvh * GROUP + g
-            q_head = Q + off_b * stride_qb + off_h * stride_qh
-            do_head = DO + off_b * stride_dob + off_h * stride_doh
             for start_m in range(0, q_hi, BLOCK_M):
-                offs_m = start_m + tl.arange(0, BLOCK_M)
-                dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, LSE + (off_b * H + off_h) * C,
-                                        Delta + (off_b * H + off_h) * C, offs_m, offs_n, offs_d, mask_d, stride_qm,
-                                        stride_qd, stride_dom, stride_dod, C, qk_scale, False, IN_PRECISION, kpos,
-                                        window, WINDOWED)
+                dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
+                                        stride_qb, stride_qh, stride_qm, stride_qd,
+                                        stride_dob, stride_doh, stride_dom, stride_dod,
+                                        C, H, qk_scale, False, IN_PRECISION, kpos, window,
+                                        WINDOWED, BLOCK_M, HEAD_DIM, TMA)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -216,26 +226,22 @@ def _paged_attn_bwd_dkdv_own(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    q_head = Q + off_b * stride_qb + off_h * stride_qh
-    do_head = DO + off_b * stride_dob + off_h * stride_doh
-    lse_head = LSE + (off_b * H + off_h) * C
-    delta_head = Delta + (off_b * H + off_h) * C
     # Diagonal: query tiles overlapping the key tile (BLOCK_N % BLOCK_M == 0), masked.
     for start_m in range(start_n, tl.minimum(start_n + BLOCK_N, C), BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                C, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
+                                stride_qb, stride_qh, stride_qm, stride_qd,
+                                stride_dob, stride_doh, stride_dom, stride_dod,
+                                C, H, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False)
     # Later query tiles see the whole key tile: no mask (but the window's, which also ends the
     # loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
     q_hi = C
     if WINDOWED:
         q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
     for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
-        offs_m = start_m + tl.arange(0, BLOCK_M)
-        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, q_head, do_head, lse_head, delta_head,
-                                offs_m, offs_n, offs_d, mask_d, stride_qm, stride_qd, stride_dom, stride_dod,
-                                C, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED)
+        dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
+                                stride_qb, stride_qh, stride_qm, stride_qd,
+                                stride_dob, stride_doh, stride_dom, stride_dod,
+                                C, H, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False)
 
     dk *= scale
     out_offs = off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
