@@ -187,10 +187,20 @@ def test_query_descriptors_in_the_dkdv_kernel(monkeypatch):
     """OOMB_DKDV_TMA=1 (off by default until measured on a GPU): the dK/dV pages kernel loads its
     query tiles (Q, dO) through tensor descriptors; dense (a chunk of 97 rows: a partial last
     tile, zero-filled past the chunk) and top-k, against the reference."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     monkeypatch.setattr(paged, "DKDV_TMA", True)
-    taken = []
-    real = paged._query_descriptors
-    monkeypatch.setattr(paged, "_query_descriptors", lambda *a: taken.append(real(*a)[2]) or real(*a))
+    taken = []  # per launch of the dK/dV pages kernel: whether Q and dO came as descriptors
+    kernel = paged._paged_attn_bwd_dkdv_pages
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                taken.append(all(isinstance(x, TensorDescriptor) for x in args[:2]) and kwargs["TMA"])
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(paged, "_paged_attn_bwd_dkdv_pages", Spy())
     run_case(2, 4, 1, 97, 16, 16, 3, torch.float16, "cpu")
     sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
     assert taken and all(taken)
@@ -202,7 +212,7 @@ def test_tensor_descriptors_where_they_apply(monkeypatch):
     def tma(dtype, d, on=True):
         monkeypatch.setattr(paged, "TMA", on)
         q, k, v, kp, vp, *_ = make_case(1, 4, 2, 8, d, 16, 2, dtype)
-        return paged._tma_pools(q, LayerPages(kp, vp, None, None, k.new_zeros(1, 2, dtype=torch.int32)), d)
+        return paged._descriptors((kp, vp), 16, d)[-1]
 
     assert tma(torch.float16, 32) and tma(torch.bfloat16, 128)
     assert not tma(torch.float32, 32) and not tma(torch.float16, 24) and not tma(torch.float16, 32, on=False)

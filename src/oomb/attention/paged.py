@@ -40,7 +40,7 @@ from .paged_forward import _paged_attn_fwd
 LN2 = math.log(2.0)
 RCP_LN2 = 1.0 / LN2
 MAX_HEAD_DIM = 256
-# The forward and dQ kernels load page tiles through tensor descriptors where they can (_page_pools):
+# The forward and dQ kernels load page tiles through tensor descriptors where they can (_descriptors):
 # on the H200 +10 % forward TFLOP/s, and a dQ kernel 26 % faster, its loop pipelined (docs/benchmarks.md).
 # OOMB_TMA=0 turns both off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop).
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
@@ -205,7 +205,7 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     n_m = triton.cdiv(c, cfg["BLOCK_M"])
     grid = (n_m * b * h,) if sp["SPARSE"] else (n_m, b * h)  # _fwd_program's launch orders
     _check_blocks(sp, cfg["BLOCK_M"])
-    kp, vp, tma = _page_pools(q, pages, d, block_n)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, pages.n_pages > 0)
     _paged_attn_fwd[grid](
         q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
@@ -219,41 +219,26 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     return o, lse
 
 
-def _page_pools(q: torch.Tensor, pages: LayerPages, d: int, block_n: int, enabled: bool = True):
-    """(k pool, v pool, tma) as a kernel takes them: tensor descriptors of (1, 1, block_n, d)
-    blocks when `enabled` and _tma_pools allows, else the pools themselves."""
-    if not (enabled and _tma_pools(q, pages, d)):
-        return pages.k, pages.v, False
-    return *(TensorDescriptor.from_tensor(x, [1, 1, block_n, d]) for x in (pages.k, pages.v)), True
+def _descriptors(tensors: tuple, block_rows: int, d: int, enabled: bool = True) -> tuple:
+    """(*tensors, tma) as a kernel takes them: tensor descriptors of (1, 1, block_rows, d) blocks
+    when `enabled` and _tma_eligible, else the tensors themselves."""
+    if not (enabled and _tma_eligible(tensors, d)):
+        return (*tensors, False)
+    return (*(TensorDescriptor.from_tensor(x, [1, 1, block_rows, d]) for x in tensors), True)
 
 
-def _query_descriptors(q: torch.Tensor, do: torch.Tensor, d: int, block_m: int, enabled: bool):
-    """(q, do, tma) as the dK/dV pages kernel takes them: tensor descriptors of (1, 1, block_m, d)
-    blocks when `enabled` on a Hopper or later GPU (or the interpreter), 16-bit inputs, a
-    power-of-two head_dim and 16-byte aligned strides; else the tensors themselves."""
-    tensors = (q, do)
-    ok = (enabled and TMA and d == _head_dim_block(d) and q.dtype in (torch.float16, torch.bfloat16)
-          and not (q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9)
-          and all(x.stride(-1) == 1 and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1])
-                  and x.data_ptr() % 16 == 0 for x in tensors))
-    if not ok:
-        return q, do, False
-    return *(TensorDescriptor.from_tensor(x, [1, 1, block_m, d]) for x in tensors), True
-
-
-def _tma_pools(q: torch.Tensor, pages: LayerPages, d: int) -> bool:
-    """Whether the forward reads page tiles through tensor descriptors (the TMA unit): not
-    turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or the interpreter), 16-bit
-    pools, a power-of-two head_dim and 16-byte aligned pool strides."""
-    if not TMA or pages.n_pages == 0:
+def _tma_eligible(tensors: tuple, d: int) -> bool:
+    """Whether a kernel may read these (B-or-slot, heads, rows, D) tensors through tensor
+    descriptors (the TMA unit): not turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or
+    the interpreter), 16-bit, a power-of-two head_dim, 16-byte aligned strides and data."""
+    if not TMA or d != _head_dim_block(d):
         return False
-    if q.device.type == "cuda" and torch.cuda.get_device_capability(q.device)[0] < 9:
+    device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
         return False
-    item = pages.k.element_size()
-    return (pages.k.dtype in (torch.float16, torch.bfloat16) and d == _head_dim_block(d)
-            and pages.k.stride() == pages.v.stride() and pages.k.stride(-1) == 1
-            and all(st * item % 16 == 0 for st in pages.k.stride()[:-1])
-            and all(x.data_ptr() % 16 == 0 for x in (pages.k, pages.v)))
+    return all(x.dtype in (torch.float16, torch.bfloat16) and x.stride(-1) == 1
+               and all(st * x.element_size() % 16 == 0 for st in x.stride()[:-1]) and x.data_ptr() % 16 == 0
+               for x in tensors)
 
 
 def _window_args(pages: LayerPages) -> tuple[int, int]:
@@ -291,7 +276,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         visits = _page_visits(pages)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
-        q_in, do_in, tma = _query_descriptors(q, do, d, cfg["BLOCK_M1"], DKDV_TMA)
+        q_in, do_in, tma = _descriptors((q, do), cfg["BLOCK_M1"], d, DKDV_TMA)
         _paged_attn_bwd_dkdv_pages[grid](
             q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
             visits["Visits"], visits["NVisits"],
@@ -324,7 +309,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
     block_n = min(cfg["BLOCK_N2"], page_size)
-    kp, vp, tma = _page_pools(q, pages, d, block_n, DQ_TMA)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and pages.n_pages > 0)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
         q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
