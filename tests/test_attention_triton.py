@@ -183,13 +183,14 @@ def test_pointer_sparse_forward_matches_reference(monkeypatch):
     sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
 
 
-def test_query_descriptors_in_the_dkdv_kernel(monkeypatch):
-    """OOMB_DKDV_TMA=1 (off by default until measured on a GPU): the dK/dV pages kernel loads its
-    query tiles (Q, dO) through tensor descriptors; dense (a chunk of 97 rows: a partial last
-    tile, zero-filled past the chunk) and top-k, against the reference."""
+@pytest.mark.parametrize("on", [True, False], ids=["descriptors", "pointers"])
+def test_query_tiles_of_the_dkdv_kernel(monkeypatch, on):
+    """The dK/dV pages kernel loads its query tiles (Q, dO) through tensor descriptors by default,
+    by pointers with OOMB_DKDV_TMA=0; dense (a chunk of 97 rows: a partial last tile, zero-filled
+    past the chunk) and top-k, against the reference."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    monkeypatch.setattr(paged, "DKDV_TMA", True)
+    monkeypatch.setattr(paged, "DKDV_TMA", on)
     taken = []  # per launch of the dK/dV pages kernel: whether Q and dO came as descriptors
     kernel = paged._paged_attn_bwd_dkdv_pages
 
@@ -203,7 +204,7 @@ def test_query_descriptors_in_the_dkdv_kernel(monkeypatch):
     monkeypatch.setattr(paged, "_paged_attn_bwd_dkdv_pages", Spy())
     run_case(2, 4, 1, 97, 16, 16, 3, torch.float16, "cpu")
     sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 2)
-    assert taken and all(taken)
+    assert taken and all(t == on for t in taken)
 
 
 def test_tensor_descriptors_where_they_apply(monkeypatch):

@@ -41,13 +41,13 @@ LN2 = math.log(2.0)
 RCP_LN2 = 1.0 / LN2
 MAX_HEAD_DIM = 256
 # The forward and dQ kernels load page tiles through tensor descriptors where they can (_descriptors):
-# on the H200 +10 % forward TFLOP/s, and a dQ kernel 26 % faster, its loop pipelined (docs/benchmarks.md).
-# OOMB_TMA=0 turns both off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop).
+# on the H200 +10 % forward TFLOP/s, and a dQ kernel 26 % faster, its loop pipelined; the dK/dV pages
+# kernel its query tiles (Q, dO): 2-4 % faster (docs/benchmarks.md, sessions 15-17).
+# OOMB_TMA=0 turns all off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop),
+# OOMB_DKDV_TMA=0 the dK/dV kernel's.
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
 DQ_TMA = os.environ.get("OOMB_DQ_TMA", "1") != "0"
-# The dK/dV pages kernel's query tiles (Q, dO) through tensor descriptors: not yet measured on a GPU,
-# off unless OOMB_DKDV_TMA=1 (docs/benchmarks.md, session 16).
-DKDV_TMA = os.environ.get("OOMB_DKDV_TMA", "0") == "1"
+DKDV_TMA = os.environ.get("OOMB_DKDV_TMA", "1") != "0"
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
