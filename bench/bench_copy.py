@@ -1,6 +1,7 @@
 """Host<->GPU page transfers: the zero-copy gather/scatter kernel that offload uses for sparse
-selections (`oomb.memory.offload.copy_rows`, scattered pinned-host rows) against `copy_` of a
-contiguous pinned range (the copy engines), in GB/s.
+selections in stage 1 (`oomb.memory.offload.copy_rows`, scattered pinned-host rows), the copy
+engines' batched copy it uses in stage 2 (`oomb.memory.dma`, one cuMemcpyBatchAsync per
+transfer) and `copy_` of a contiguous pinned range, in GB/s.
 
     python bench/bench_copy.py            # 256 rows of one Qwen2.5-7B page (4 x 128 x 128)
     python bench/bench_copy.py --programs 8,16,32   # the gather/scatter on fewer programs (SMs)
@@ -12,7 +13,7 @@ copies with compute. `--gemm` times the GEMMs of a Qwen2.5-7B layer (a 4,096-tok
 input and weight gradients) alone and while the gather kernel runs on another stream, with cuBLAS
 free to use every SM or told to leave the copy's SMs (`torch._C._set_sm_carveout_experimental`;
 cuBLASLt honours it, so the GEMMs go through cuBLASLt): a GEMM sized to fill every SM in one wave
-needs a second wave when some SMs are held.
+needs a second wave when some SMs are held; and beside the same gather on the copy engines.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import time
 import torch
 
 from oomb.memory import offload
+from oomb.memory.dma import batch_copier, row_copies
 from oomb.memory.offload import copy_rows
 
 
@@ -64,6 +66,8 @@ def gemms_beside_copies(programs: int, tokens: int = 4096, hidden: int = 3584, m
     host = torch.empty(8192, row_elems, dtype=torch.bfloat16).pin_memory()
     staging = torch.empty(2048, row_elems, dtype=torch.bfloat16, device=dev)
     rows = torch.randperm(8192, device=dev)[:2048]
+    host_rows = rows.cpu().numpy()
+    dma = batch_copier()
     side = torch.cuda.Stream(dev)
     for name, fn in shapes.items():
         reps = max(1, int(20 / gemm_ms(fn, 3)))  # ~20 ms of GEMMs
@@ -82,6 +86,12 @@ def gemms_beside_copies(programs: int, tokens: int = 4096, hidden: int = 3584, m
             torch.cuda.synchronize()
         torch._C._set_sm_carveout_experimental(None)
         torch.backends.cuda.preferred_blas_library("default")
+        if dma is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            for _ in range(8):
+                dma(*row_copies(host, host_rows, staging, None), side.cuda_stream)
+            row["cublas beside copy-engine gather"] = gemm_ms(fn, reps)
+            torch.cuda.synchronize()
         print(f"{name:18s} " + ", ".join(f"{k} {v:.3f}" for k, v in row.items()) + " ms", flush=True)
 
 
@@ -109,7 +119,17 @@ def main() -> None:
         assert torch.equal(dev.cpu(), host[rows.cpu()])
         scatter = gbps(lambda: copy_rows(dev, None, host, rows), n_bytes)
         contiguous = gbps(lambda: dev.copy_(host[: args.rows], non_blocking=True), n_bytes)
-        print(f"{programs} programs, {dtype}: gather {gather:.1f} GB/s, scatter {scatter:.1f} GB/s, contiguous copy_ {contiguous:.1f} GB/s")
+        line = (f"{programs} programs, {dtype}: gather {gather:.1f} GB/s, scatter {scatter:.1f} GB/s, "
+                f"contiguous copy_ {contiguous:.1f} GB/s")
+        dma, host_rows = batch_copier(), rows.cpu().numpy()
+        if dma is not None:
+            stream = torch.cuda.current_stream().cuda_stream
+            dev.zero_()
+            engine_gather = gbps(lambda: dma(*row_copies(host, host_rows, dev, None), stream), n_bytes)
+            assert torch.equal(dev.cpu(), host[rows.cpu()])
+            engine_scatter = gbps(lambda: dma(*row_copies(dev, None, host, host_rows), stream), n_bytes)
+            line += f"; copy engines: gather {engine_gather:.1f} GB/s, scatter {engine_scatter:.1f} GB/s"
+        print(line)
 
 
 if __name__ == "__main__":

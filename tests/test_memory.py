@@ -1,4 +1,5 @@
 """Page bookkeeping (integers) and the page store (tensors), on CPU."""
+import numpy as np
 import pytest
 import torch
 
@@ -167,3 +168,48 @@ def test_empty_pinned_on_the_gpu_machine():
     copy_rows(host, rows, gathered, None)
     torch.cuda.synchronize()
     assert torch.equal(back, src) and torch.equal(gathered, src[rows])
+
+
+def test_runs_of_consecutive_rows():
+    from oomb.memory.dma import runs
+    starts, lengths = runs(np.array([3, 4, 5, 9, 11, 12, 0]))
+    assert starts.tolist() == [0, 3, 4, 6] and lengths.tolist() == [3, 1, 2, 1]
+    assert [a.size for a in runs(np.zeros(0, np.int64))] == [0, 0]
+
+
+def test_row_copies_gather_and_scatter_by_runs(memmove_copier):
+    """The copy engines' batch (memmove on CPU) moves what indexing would, one copy per run."""
+    from oomb.memory.dma import row_copies
+    src = torch.randn(10, 3, 5)
+    rows = np.array([2, 3, 4, 7, 0, 1])
+    gathered = torch.zeros(6, 3, 5)
+    memmove_copier(*row_copies(src, rows, gathered, None), 0)
+    assert torch.equal(gathered, src[rows]) and memmove_copier.copies == 3
+    back = torch.zeros(10, 3, 5)
+    memmove_copier(*row_copies(gathered, None, back, rows), 0)
+    assert torch.equal(back[rows], src[rows]) and back[[5, 6, 8, 9]].abs().sum() == 0
+
+
+@pytest.mark.gpu
+def test_batched_copies_on_the_gpu_machine():
+    """cuMemcpyBatchAsync through ctypes: a gather of scattered pinned rows to the GPU and the
+    scatter back, on a side stream, equal to indexing."""
+    from oomb.memory.dma import batch_copier, row_copies
+    from oomb.memory.pinned import empty_pinned
+
+    copy = batch_copier()
+    assert copy is not None, "the H200 machine's driver (CUDA 13) has cuMemcpyBatchAsync"
+    host = empty_pinned((64, 4, 128), torch.bfloat16)
+    host.copy_(torch.randn(64, 4, 128).to(torch.bfloat16))
+    rows = np.array([5, 6, 7, 0, 63, 30, 31])
+    gathered = torch.empty(7, 4, 128, dtype=torch.bfloat16, device="cuda")
+    side = torch.cuda.Stream()
+    copy(*row_copies(host, rows, gathered, None), side.cuda_stream)
+    side.synchronize()
+    assert torch.equal(gathered.cpu(), host[rows])
+    back = empty_pinned((64, 4, 128), torch.bfloat16)
+    doubled = gathered * 2
+    side.wait_stream(torch.cuda.current_stream())
+    copy(*row_copies(doubled, None, back, rows), side.cuda_stream)
+    side.synchronize()
+    assert torch.equal(back[rows], host[rows] * 2) and back[[1, 2, 3, 4]].abs().sum() == 0

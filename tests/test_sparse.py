@@ -122,6 +122,36 @@ def test_sparse_offload_identical_to_device_pool(backend):
     assert all(torch.equal(grads[n], grads_auto[n]) for n in grads)
 
 
+def test_stage2_moves_host_pages_on_the_copy_engines(monkeypatch, memmove_copier):
+    """Stage 2 knows every selection on the host too (one copy after stage 1), so its gathers and
+    dK/dV scatters go to the copy engines (memory/dma.py; memmove on CPU), one batched call a
+    transfer; stage 1, which has just selected on the device, and the last chunk (selected in
+    stage 2) keep the zero-copy kernel. Loss and gradients equal the device pool's."""
+    from oomb.memory import offload
+
+    kernel_calls = []
+    copy_rows = offload.copy_rows
+    monkeypatch.setattr(offload, "copy_rows", lambda *a: kernel_calls.append(a) or copy_rows(*a))
+    model = make_model("qwen2", layers=3)
+    cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
+    _, loss, grads = run(model, batch(), cfg, group_pages=3)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=cfg, group_pages=3,
+                                       offload="all")
+    ids = batch()
+    engine.reserve(*ids.shape)  # places the layers (a new host store) before the copier goes in
+    engine.store.host.dma = memmove_copier
+    result = engine.forward_backward(ids)
+    assert torch.equal(result.loss, loss)
+    assert all(torch.equal(p.grad, grads[n]) for n, p in model.named_parameters())
+    # 4 chunks (200 tokens), 3 layers: in stage 2, chunks 1 and 2 read earlier pages with a
+    # selection kept from stage 1, each layer in three calls: the forward's K/V, the backward's
+    # K/V/dK/dV, the dK/dV written back (chunk 0 has no earlier pages)
+    assert memmove_copier.calls == 2 * 3 * 3
+    assert {c for (c, _), sel in engine._selection.items() if sel.host_pages is not None} == {0, 1, 2}
+    assert all(engine._selection[3, i].host_pages is None for i in range(3))  # selected in stage 2
+    assert kernel_calls  # stage 1's gathers and the last chunk's
+
+
 def test_stage2_loads_the_next_host_layer_ahead(monkeypatch):
     """Stage 2 knows every layer's selection: while a host layer's gathered pages are in use,
     the next layer's are already loading into the other staging buffer (forward: the layer

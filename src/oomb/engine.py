@@ -147,6 +147,7 @@ class ChunkRecurrentEngine(PagePlacement):
         try:
             with torch.no_grad():
                 self._stage1(input_ids, bounds, rng_states, lead, passes)
+            self.store.selections_to_host(self._selection)  # stage 2 moves host layers' pages on the copy engines
             rng_states.append(self._rng_state())
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for c in reversed(range(len(bounds))):

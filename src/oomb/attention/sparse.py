@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 REPRESENTATIVES = ("mean", "minmax")
@@ -64,6 +65,7 @@ class Selection(NamedTuple):
     pages: torch.Tensor  # (B, n_cand) int32 ascending: the logical pages the chunk reads
     blocks: torch.Tensor  # (B, Hkv, n_blocks, k) ascending: each block's picks, as indices into pages (uint8
     # up to 256 candidates, else int16/int32)
+    host_pages: np.ndarray | None = None  # pages on the host, for a host layer's copies (memory/dma.py)
 
     def logical(self) -> torch.Tensor:
         """(B, Hkv, n_blocks, k) logical page of every pick."""

@@ -30,8 +30,12 @@ Sparse attention's representatives of a host layer live on the host too (so GPU 
 grow with the context by them): a selection loads the layer's [0, n) into one reused device
 buffer, on the copy stream after the compute before it.
 Sparse attention reads only a chunk's candidate pages, scattered over the arena: they are
-staged as one group by `copy_rows`, a kernel that reads the pinned pages directly (and writes
-their dK/dV back the same way), from a row list computed on the GPU: no host sync, one launch.
+staged as one group. Where only the GPU knows them (stage 1, which has just selected them) by
+`copy_rows`, a kernel that reads the pinned pages directly (and writes their dK/dV back the same
+way), from a row list computed on the GPU: no host sync, one launch. Where the host has the
+selection too (stage 2: the engine copies stage 1's selections of host layers to the host once,
+`Selection.host_pages`), the copy engines move them (memory/dma.py: one batched driver call per
+transfer), which leaves every SM to the compute beside it.
 On a CPU model the same code runs with plain memory and synchronous copies.
 """
 from __future__ import annotations
@@ -39,10 +43,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
 
+from .dma import batch_copier, row_copies
 from .pinned import empty_pinned
 from .spec import LayerPages, PageSpec
 
@@ -58,6 +64,7 @@ class HostPages:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> GPU
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.dma = batch_copier() if self.cuda else None  # the copy engines' batched copy, if the driver has it
         self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
@@ -158,10 +165,11 @@ class HostPages:
     # -- reading: groups of pages on the device --------------------------------------------
 
     def page_groups(self, layer: int, first: int, n_pages: int, extra: dict,
-                    pages: torch.Tensor | None = None) -> "_HostGroups":
+                    pages: torch.Tensor | None = None, host_pages: np.ndarray | None = None) -> "_HostGroups":
         """Pages [first, n_pages) of `layer`, or only `pages` ((B, n) logical pages on the
-        device: a sparse selection's, staged as one group by a gather)."""
-        return _HostGroups(self, layer, first, n_pages, extra, pages)
+        device: a sparse selection's, staged as one group by a gather; `host_pages`, the same
+        on the host, lets the copy engines gather them)."""
+        return _HostGroups(self, layer, first, n_pages, extra, pages, host_pages)
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Starts copying the dK, dV later chunks accumulated for a chunk's own keys to the device;
@@ -195,38 +203,54 @@ class HostPages:
     # -- transfers ------------------------------------------------------------------------
 
     def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool,
-              rows: torch.Tensor | None = None) -> None:
-        """Stage pages [start, end) of `layer` (or the host rows `rows`: a gather) in `buf`."""
+              rows: torch.Tensor | None = None, host_rows: np.ndarray | None = None) -> None:
+        """Stage pages [start, end) of `layer` (or the host rows `rows`: a gather; by the copy
+        engines when the host has them, `host_rows`) in `buf`."""
         start, end = span
         n = (end - start) * self.batch
         host = self.arena[layer]
         staged = self.staging[buf]
+        tensors = range(4 if with_grad else 2)
         with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
-            for i in range(4 if with_grad else 2):
-                if rows is None:
+            if rows is None:
+                for i in tensors:
                     staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
-                else:
+            elif self.dma is not None and host_rows is not None:
+                self._batch([row_copies(host[i].flatten(0, 1), host_rows, staged[i], None) for i in tensors],
+                            self.copy_stream)
+            else:
+                for i in tensors:
                     copy_rows(host[i].flatten(0, 1), rows, staged[i], None)
             if self.cuda:
                 self.ready[buf].record(self.copy_stream)
 
-    def _store_grads(self, buf: int, layer: int, span: tuple[int, int], rows: torch.Tensor | None = None) -> None:
+    def _store_grads(self, buf: int, layer: int, span: tuple[int, int], rows: torch.Tensor | None = None,
+                     host_rows: np.ndarray | None = None) -> None:
         start, end = span
         n = (end - start) * self.batch
+        pairs = [(self.staging[buf][i], self.arena[layer][i].flatten(0, 1)) for i in (2, 3)]
         stream = torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()
         with stream:
             if self.cuda:
                 self.d2h_stream.wait_event(self.used[buf])
-            for i in (2, 3):
-                if rows is None:
-                    self.arena[layer][i][start:end].flatten(0, 1).copy_(self.staging[buf][i][:n], non_blocking=True)
-                else:
-                    copy_rows(self.staging[buf][i], None, self.arena[layer][i].flatten(0, 1), rows)
+            if rows is None:
+                for staged, host in pairs:
+                    host[start * self.batch : end * self.batch].copy_(staged[:n], non_blocking=True)
+            elif self.dma is not None and host_rows is not None:
+                self._batch([row_copies(staged, None, host, host_rows) for staged, host in pairs], self.d2h_stream)
+            else:
+                for staged, host in pairs:
+                    copy_rows(staged, None, host, rows)
             if self.cuda:
                 self.stored[buf].record(self.d2h_stream)
+
+    def _batch(self, copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]], stream) -> None:
+        """One batched copy-engine call for every (dsts, srcs, sizes) of `copies`."""
+        dsts, srcs, sizes = (np.concatenate(parts) for parts in zip(*copies))
+        self.dma(dsts, srcs, sizes, stream.cuda_stream if stream is not None else 0)
 
     def _on_copy_stream(self, after_compute: bool):
         if not self.cuda:
@@ -243,10 +267,10 @@ class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
     def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict,
-                 pages: torch.Tensor | None) -> None:
+                 pages: torch.Tensor | None, host_pages: np.ndarray | None = None) -> None:
         self.host, self.layer, self.extra = host, layer, extra
         g = host.group_pages
-        self.rows = None
+        self.rows = self.host_rows = None
         if pages is None:
             self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
         else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
@@ -254,6 +278,8 @@ class _HostGroups:
             assert n <= g, f"{n} selected pages do not fit {g} staging slots"
             self.spans = [(0, n)] if n else []
             self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
+            if host_pages is not None:
+                self.host_rows = (host_pages.T.astype(np.int64) * b + np.arange(b)).ravel()
             if host.cuda:  # made on the compute stream, read on the copy streams
                 self.rows_ready = torch.cuda.Event()
                 self.rows_ready.record(torch.cuda.current_stream(host.device))
@@ -280,7 +306,7 @@ class _HostGroups:
                 host.copy_stream.wait_stream(host.d2h_stream)  # the previous sweep's write-backs
             if self.rows is not None:
                 host.copy_stream.wait_event(self.rows_ready)
-        host._load(buf, self.layer, self.spans[0], with_grad, self.rows)
+        host._load(buf, self.layer, self.spans[0], with_grad, self.rows, self.host_rows)
         return buf
 
     def __call__(self, with_grad: bool):
@@ -309,7 +335,7 @@ class _HostGroups:
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
-                host._store_grads(buf, layer, (start, end), self.rows)
+                host._store_grads(buf, layer, (start, end), self.rows, self.host_rows)
 
 
 # Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block

@@ -1,0 +1,108 @@
+"""Scattered host<->GPU row copies on the copy engines: one driver call per transfer.
+
+A sparse selection's pages lie scattered over a host layer's arena. The zero-copy kernel
+(offload.copy_rows) gathers them from a row list that lives on the GPU, but each of its programs
+holds an SM while it waits on PCIe, and the one-wave GEMMs beside it then need a second wave
+(+9 to +61 %, docs/benchmarks.md, session 13). When the rows are known on the host (stage 2
+reads the selections stage 1 made), the copy engines can move them instead: each run of
+consecutive rows becomes one copy, and every copy of a transfer goes to the driver in one call,
+`cuMemcpyBatchAsync` (CUDA 12.8+), ordered on its stream like `cudaMemcpyAsync`.
+
+The driver is reached through ctypes (libcuda.so.1, which every CUDA system has); `OOMB_DMA=0`,
+a driver without the call, or a CPU-only system leave the kernel in charge.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+
+import numpy as np
+import torch
+
+_SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the source in stream order
+_PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
+
+
+class _Location(ctypes.Structure):  # CUmemLocation
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _Attributes(ctypes.Structure):  # CUmemcpyAttributes
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_location", _Location),
+                ("dst_location", _Location), ("flags", ctypes.c_uint)]
+
+
+_P = ctypes.c_void_p
+_SIZE = ctypes.c_size_t
+
+
+class BatchCopier:
+    """copy(dsts, srcs, sizes, stream): dsts[i] <- srcs[i] (sizes[i] bytes) for every i, queued on
+    `stream` (a CUstream handle, e.g. torch.cuda.Stream.cuda_stream); the arrays are uint64
+    addresses (unified addressing: pinned host or device memory)."""
+
+    def __init__(self, fn, with_fail_index: bool) -> None:
+        self._fn = fn
+        self._with_fail_index = with_fail_index  # CUDA 12.8/12.9's signature; 13.0's `_v2` dropped it
+        self._attrs = _Attributes(_SRC_ACCESS_ORDER_STREAM, _Location(0, 0), _Location(0, 0),
+                                  _PREFER_OVERLAP_WITH_COMPUTE)
+        self._first = _SIZE(0)  # every copy has the one attribute set, from copy 0 on
+
+    def __call__(self, dsts: np.ndarray, srcs: np.ndarray, sizes: np.ndarray, stream: int) -> None:
+        n = len(sizes)
+        if n == 0:
+            return
+        dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
+        args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.byref(self._attrs),
+                ctypes.byref(self._first), 1]
+        fail = _SIZE(0)
+        if self._with_fail_index:
+            args.append(ctypes.byref(fail))
+        err = self._fn(*args, _P(stream))
+        if err:
+            raise RuntimeError(f"cuMemcpyBatchAsync of {n} copies failed with CUDA driver error {err}"
+                               + (f" at copy {fail.value}" if self._with_fail_index else "")
+                               + "; set OOMB_DMA=0 to move host pages with the zero-copy kernel instead")
+
+
+@functools.cache
+def batch_copier() -> BatchCopier | None:
+    """The driver's batched copy, or None (OOMB_DMA=0, no CUDA driver, or one older than 12.8)."""
+    if os.environ.get("OOMB_DMA", "1") == "0" or not torch.cuda.is_available():
+        return None
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    for name, with_fail_index in (("cuMemcpyBatchAsync_v2", False), ("cuMemcpyBatchAsync", True)):
+        fn = getattr(lib, name, None)
+        if fn is not None:
+            fn.restype = ctypes.c_int
+            fn.argtypes = [_P, _P, _P, _SIZE, _P, _P, _SIZE] + ([_P] if with_fail_index else []) + [_P]
+            return BatchCopier(fn, with_fail_index)
+    return None
+
+
+def runs(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first position, length) of each maximal run of consecutive values in `rows`."""
+    if rows.size == 0:
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(rows) != 1) + 1))
+    return starts, np.diff(np.concatenate((starts, [rows.size])))
+
+
+def row_copies(src: torch.Tensor, src_rows: np.ndarray | None, dst: torch.Tensor,
+               dst_rows: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The copies (dsts, srcs, sizes) of dst[dst_rows[r]] = src[src_rows[r]] for every r (None: r
+    itself), one per run of consecutive rows; src and dst contiguous, rows along dim 0."""
+    rows = src_rows if src_rows is not None else dst_rows
+    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype and rows is not None
+    row_bytes = src[0].numel() * src.element_size()
+    starts, lengths = runs(rows)
+    first = rows[starts].astype(np.uint64)
+    src_first = first if src_rows is not None else starts.astype(np.uint64)
+    dst_first = first if dst_rows is not None else starts.astype(np.uint64)
+    return (np.uint64(dst.data_ptr()) + dst_first * np.uint64(row_bytes),
+            np.uint64(src.data_ptr()) + src_first * np.uint64(row_bytes),
+            lengths.astype(np.uint64) * np.uint64(row_bytes))
