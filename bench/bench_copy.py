@@ -123,11 +123,13 @@ def main() -> None:
                 f"contiguous copy_ {contiguous:.1f} GB/s")
         dma, host_rows = batch_copier(), rows.cpu().numpy()
         if dma is not None:
-            stream = torch.cuda.current_stream().cuda_stream
+            side = torch.cuda.Stream()  # the driver refuses the legacy default stream
+            side.wait_stream(torch.cuda.current_stream())
             dev.zero_()
-            engine_gather = gbps(lambda: dma(*row_copies(host, host_rows, dev, None), stream), n_bytes)
-            assert torch.equal(dev.cpu(), host[rows.cpu()])
-            engine_scatter = gbps(lambda: dma(*row_copies(dev, None, host, host_rows), stream), n_bytes)
+            with torch.cuda.stream(side):
+                engine_gather = gbps(lambda: dma(*row_copies(host, host_rows, dev, None), side.cuda_stream), n_bytes)
+                assert torch.equal(dev.cpu(), host[rows.cpu()])
+                engine_scatter = gbps(lambda: dma(*row_copies(dev, None, host, host_rows), side.cuda_stream), n_bytes)
             line += f"; copy engines: gather {engine_gather:.1f} GB/s, scatter {engine_scatter:.1f} GB/s"
         print(line)
 

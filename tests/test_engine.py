@@ -376,7 +376,7 @@ def test_kept_attention_on_the_host(offload, monkeypatch):
         loss = engine.forward_backward(ids).loss
         monkeypatch.setattr(reference, "forward", real)
         results[keep] = (loss, {n: p.grad for n, p in model.named_parameters()}, len(calls))
-    assert engine.kept.layers == (0, 1) and engine.kept.on_host and engine.keeps_attention
+    assert engine.kept.layers == (0, 1) and engine.kept.where == "host" and engine.keeps_attention
     assert engine.kept.arena_bytes == KeptAttention.host_bytes(8, entry) == 8 * entry and engine.kept.n_entries == 0
     (loss0, grads0, calls0), (loss1, grads1, calls1) = results[False], results[None]
     assert torch.equal(loss0, loss1) and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
@@ -385,6 +385,38 @@ def test_kept_attention_on_the_host(offload, monkeypatch):
     with pytest.raises(ValueError, match=r"keep_attention=True: the attention outputs of 3 layers x 4 chunks need "
                                          r".* 2 layers would fit"):
         engine.forward_backward(ids)
+
+
+def test_kept_attention_split_between_gpu_and_host(monkeypatch):
+    """On a GPU, as many layers' outputs as fit beside the pages stay there and the next ones go
+    to the host (here: room for 1.5 layers, a host budget for one more); a step with part of
+    its kept layers on each side gives keep_attention=False's loss and gradients bitwise."""
+    from oomb.memory.kept import KeptAttention
+
+    ids = random_batch(2, 160)  # 5 chunks: 4 stored
+    model = make_model("qwen2", layers=4)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", keep_attention=None,
+                                       kept_host_bytes=KeptAttention.host_bytes(4, KeptAttention.entry_bytes(
+                                           2, 32, 4, 16, 4)))
+    pages = 4 * 2
+    room = engine.store.device_bytes(2, pages) + int(1.5 * engine._attention_bytes(2, pages, 1))
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # decides as on a GPU with this room
+    monkeypatch.setattr(engine, "_headroom", lambda: room)
+    engine._place_kept(2, pages, 0, training=True)
+    assert engine.kept.layers == (0, 1) and engine.kept.host_layers == {1} and engine.kept.where == "gpu+host"
+    assert engine._kept_bytes(2, pages) == engine._attention_bytes(2, pages, 1)
+    monkeypatch.undo()
+
+    results = {}
+    for keep in (False, None):
+        model.zero_grad(set_to_none=True)
+        engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, keep_attention=keep)
+        begin = engine.kept.begin_step
+        monkeypatch.setattr(engine.kept, "begin_step", lambda layers, host, *a: begin(layers, layers[1:], *a))
+        results[keep] = engine.forward_backward(ids).loss, {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert engine.kept.layers == (0, 1, 2) and engine.kept.where == "gpu+host"
+    (loss0, grads0), (loss1, grads1) = results[False], results[None]
+    assert torch.equal(loss0, loss1) and all(torch.equal(grads0[n], grads1[n]) for n in grads0)
 
 
 def test_kept_attention_when_it_fits():

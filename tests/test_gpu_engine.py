@@ -320,27 +320,28 @@ def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
         assert kept > 2**27, "the outputs must take enough room for the boundary to mean something"
         engine.reserved_gpu_bytes = engine._headroom() - need - int(room * kept)
         engine.forward_backward(ids)
-        assert engine.keeps_attention == (where is not None), (room, kept)
-        assert engine.kept.on_host == (where == "host") or where is None, (room, kept)
+        assert engine.kept.where == where, (room, kept)
     wide_model.zero_grad(set_to_none=True)
 
 
 def test_kept_attention_identical_on_the_gpu(wide_model):
-    """keep_attention with the Triton kernels in bf16, kept on the GPU (offload 'none') and in
-    pinned host memory (offload 'all'; 'auto' with every layer's pages on the host), dense and
-    sparse: losses and gradients torch.equal keeping nothing."""
+    """keep_attention with the Triton kernels in bf16, kept on the GPU (offload 'none', and 'all'
+    where they fit beside the staging buffers) and in pinned host memory (offload 'all' with the
+    GPU's room reserved; 'auto' with every layer's pages on the host), dense and sparse: losses
+    and gradients torch.equal keeping nothing."""
     ids = torch.randint(0, wide_model.config.vocab_size, (1, 8192), device="cuda")
     sparse = oomb.TopKPages(budget=4, chunk_budget=9)
     for extra in ({}, {"sparse": sparse}):
         runs = {}
         for name, kwargs in [("none", {"keep_attention": False}), ("gpu", {"keep_attention": True}),
-                             ("host, all", {"keep_attention": True, "offload": "all"}),
+                             ("gpu, all", {"keep_attention": True, "offload": "all"}),
+                             ("host, all", {"keep_attention": True, "offload": "all", "reserved_gpu_bytes": 2**50}),
                              ("host, auto", {"keep_attention": None, "offload": "auto",
-                                             "gpu_page_budget_bytes": 0})]:
+                                             "gpu_page_budget_bytes": 0, "reserved_gpu_bytes": 2**50})]:
             engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, backend="triton", **kwargs, **extra)
             runs[name] = (engine.forward_backward(ids).loss, grads_of(wide_model))
             assert engine.kept.layers == (() if name == "none" else (0,)), name
-            assert engine.kept.on_host == name.startswith("host"), name
+            assert engine.kept.where == (None if name == "none" else name.split(",")[0]), name
         loss0, g0 = runs["none"]
         for name, (loss, g) in runs.items():
             assert torch.equal(loss, loss0), (name, extra)

@@ -255,7 +255,7 @@ def test_plan_counts_the_sparse_representatives_and_selections():
     engine.forward_backward(torch.randint(0, 97, (2, 300)))  # 5 chunks, the last 44 tokens
     p = plan(model.config, 300, batch=2, chunk_size=64, page_size=16, dtype=torch.float32, sparse=sparse)
     assert p.representatives == engine.store.reps.numel() * engine.store.reps.element_size() > 0
-    kept = sum(t.numel() * t.element_size() for sel in engine._selection.values() for t in sel)
+    kept = sum(t.numel() * t.element_size() for sel in engine._selection.values() for t in (sel.pages, sel.blocks))
     assert p.selections == kept > 0 and {i for _, i in engine._selection} == {1, 3}  # the full layers
 
 

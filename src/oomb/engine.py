@@ -147,7 +147,6 @@ class ChunkRecurrentEngine(PagePlacement):
         try:
             with torch.no_grad():
                 self._stage1(input_ids, bounds, rng_states, lead, passes)
-            self.store.selections_to_host(self._selection)  # stage 2 moves host layers' pages on the copy engines
             rng_states.append(self._rng_state())
             total = torch.zeros((), dtype=torch.float32, device=self.device)
             for c in reversed(range(len(bounds))):
@@ -339,8 +338,9 @@ class ChunkRecurrentEngine(PagePlacement):
         window = self.adapter.window(i)
         if self.sparse is None or window:  # sliding-window layers attend densely to the few pages they reach
             return self.store.page_groups(i, n_pages, window=window)
-        if (c, i) in self._selection:
-            return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+        if (c, i) in self._selection:  # kept: its host copy is long done, the copy engines can move its pages
+            return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,
+                                              copy_engines=True)
         return None
 
     def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool, groups=None):
@@ -359,7 +359,8 @@ class ChunkRecurrentEngine(PagePlacement):
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
             with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
-                self._selection[c, i] = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+                self._selection[c, i] = self.store.copy_to_host(i, selection)  # for stage 2's copies
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
             if prefetch:
                 groups.prefetch(False)

@@ -59,38 +59,42 @@ class PagePlacement:
     def _place_kept(self, batch: int, max_pages: int, host_pages: int, training: bool) -> None:
         """Which layers' attention outputs stage 1 keeps this step, and where: every layer but the
         last (stage 1 stops at its K/V), full-attention layers first (a window's attention is
-        cheap to recompute); on the GPU when all fit beside the pages (offload 'none'), else in
-        pinned host memory, as many layers as the host budget holds (keep_attention=True: all,
-        or an error before anything is computed)."""
+        cheap to recompute); on the GPU as many layers as fit beside the pages, the others in
+        pinned host memory, as many as the host budget holds (keep_attention=True: all, or an
+        error before anything is computed)."""
         a = self.adapter
         n_chunks = max_pages // (self.chunk_size // self.page_size)  # stored chunks
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         layers = sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
-        on_host = False
         if not training or self.keep_attention is False or n_chunks == 0:
             layers = []
-        elif not (self.device.type == "cuda" and self.offload == "none"
-                  and self.store.device_bytes(batch, max_pages) + self._attention_bytes(batch, max_pages)
-                  <= self._headroom()):  # on the GPU if they fit (the room counts the pool), else on the host
+        n_gpu = 0
+        if layers and self.device.type == "cuda":  # the room counts the pool; a CPU model keeps in "host" memory
+            room = self._headroom() - self.store.device_bytes(batch, max_pages)
+            n_gpu = min(len(layers), max(0, room) // max(1, self._attention_bytes(batch, max_pages, 1)))
+        if n_gpu < len(layers):
             entry = KeptAttention.entry_bytes(batch, self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
             budget = self._kept_host_budget(host_pages)
-            n = len(layers)
+            rest = len(layers) - n_gpu
+            n = rest
             while n and KeptAttention.host_bytes(n * n_chunks, entry) > budget:
                 n -= 1
-            if self.keep_attention and n < len(layers):
-                need = KeptAttention.host_bytes(len(layers) * n_chunks, entry)
+            if self.keep_attention and n < rest:
+                need = KeptAttention.host_bytes(rest * n_chunks, entry)
                 raise ValueError(
-                    f"keep_attention=True: the attention outputs of {len(layers)} layers x {n_chunks} chunks need "
-                    f"{human_bytes(need)} of pinned host memory (they do not fit on the GPU beside the pages), but "
-                    f"the budget is {human_bytes(budget)}: {n} layers would fit. Use keep_attention=None (keeps as "
-                    "many layers as fit), a larger kept_host_bytes, or keep_attention=False")
-            layers, on_host = layers[:n], n > 0
-        self.kept.begin_step(layers, on_host, n_chunks, (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
+                    f"keep_attention=True: the attention outputs of {rest} layers x {n_chunks} chunks need "
+                    f"{human_bytes(need)} of pinned host memory ({n_gpu} more layers' fit on the GPU beside the "
+                    f"pages), but the budget is {human_bytes(budget)}: {n} layers would fit. Use "
+                    "keep_attention=None (keeps as many layers as fit), a larger kept_host_bytes, or "
+                    "keep_attention=False")
+            layers = layers[: n_gpu + n]
+        self.kept.begin_step(layers, layers[n_gpu:], n_chunks, (batch, heads, self.chunk_size, a.head_dim),
+                             self.spec.dtype)
 
     @property
     def keeps_attention(self) -> bool:
-        """Whether this step keeps stage 1's attention outputs (of kept.layers, on the host when
-        kept.on_host)."""
+        """Whether this step keeps stage 1's attention outputs (of kept.layers; kept.host_layers'
+        on the host)."""
         return bool(self.kept.layers)
 
     def _kept_host_budget(self, host_pages: int) -> int:
@@ -166,11 +170,13 @@ class PagePlacement:
     def _kept_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the attention outputs and LSEs stage 1 keeps on the GPU (keep_attention),
         of this rank's query heads."""
-        return self._attention_bytes(batch, max_pages) if self.keeps_attention and not self.kept.on_host else 0
+        return self._attention_bytes(batch, max_pages, len(self.kept.layers) - len(self.kept.host_layers))
 
-    def _attention_bytes(self, batch: int, max_pages: int) -> int:
-        """What keeping the attention outputs and LSEs takes (this rank's query heads)."""
+    def _attention_bytes(self, batch: int, max_pages: int, n_layers: int | None = None) -> int:
+        """What keeping the attention outputs and LSEs of n_layers (default: every layer but the
+        last) takes (this rank's query heads)."""
         a = self.adapter
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
-        return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), a.n_layers, batch,
+        n_layers = a.n_layers - 1 if n_layers is None else n_layers
+        return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), n_layers + 1, batch,
                                     self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)

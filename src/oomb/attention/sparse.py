@@ -17,7 +17,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 REPRESENTATIVES = ("mean", "minmax")
@@ -65,7 +64,7 @@ class Selection(NamedTuple):
     pages: torch.Tensor  # (B, n_cand) int32 ascending: the logical pages the chunk reads
     blocks: torch.Tensor  # (B, Hkv, n_blocks, k) ascending: each block's picks, as indices into pages (uint8
     # up to 256 candidates, else int16/int32)
-    host_pages: np.ndarray | None = None  # pages on the host, for a host layer's copies (memory/dma.py)
+    host_pages: tuple | None = None  # a host layer's: (pinned copy of pages, its copy's event), memory/offload.py
 
     def logical(self) -> torch.Tensor:
         """(B, Hkv, n_blocks, k) logical page of every pick."""

@@ -39,8 +39,9 @@ _SIZE = ctypes.c_size_t
 
 class BatchCopier:
     """copy(dsts, srcs, sizes, stream): dsts[i] <- srcs[i] (sizes[i] bytes) for every i, queued on
-    `stream` (a CUstream handle, e.g. torch.cuda.Stream.cuda_stream); the arrays are uint64
-    addresses (unified addressing: pinned host or device memory)."""
+    `stream` (a CUstream handle, e.g. torch.cuda.Stream().cuda_stream; not the legacy default
+    stream, which the driver refuses); the arrays are uint64 addresses (unified addressing:
+    pinned host or device memory)."""
 
     def __init__(self, fn, with_fail_index: bool) -> None:
         self._fn = fn
@@ -53,6 +54,9 @@ class BatchCopier:
         n = len(sizes)
         if n == 0:
             return
+        if not stream:
+            raise ValueError("cuMemcpyBatchAsync refuses the legacy default stream (handle 0): queue the copies "
+                             "on a torch.cuda.Stream() of their own")
         dsts, srcs, sizes = (np.ascontiguousarray(a, dtype=np.uint64) for a in (dsts, srcs, sizes))
         args = [dsts.ctypes.data, srcs.ctypes.data, sizes.ctypes.data, n, ctypes.byref(self._attrs),
                 ctypes.byref(self._first), 1]

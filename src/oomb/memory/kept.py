@@ -6,8 +6,8 @@ forward, the step's largest recomputed kernel at long contexts (H200, Qwen2.5-7B
 step 176.4 -> 149.9 s; a 1M top-k step ~0.3 s per kept layer). What one (chunk, layer) takes:
 B x C x H x D in the weights' dtype + B x H x C fp32 (28.4 MiB at chunk 4096), every stored chunk.
 
-Kept on the GPU when they fit beside the pages; otherwise in pinned host memory, as many layers
-as the host budget holds. The host arena is one pinned block (memory/pinned.py: exactly its
+Kept on the GPU, as many layers as fit beside the pages; the other layers' in pinned host
+memory, as many as the host budget holds. The host arena is one pinned block (memory/pinned.py: exactly its
 bytes) of fixed-size entries; each entry's slot comes from a free list of plain integers.
 Transfers are ordered by CUDA events, never by the host thread:
   put (stage 1):  the GPU->host stream waits for the attention that made O, then copies it out;
@@ -34,7 +34,7 @@ class KeptAttention:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.layers: tuple[int, ...] = ()  # the layers kept this step, in load order
-        self.on_host = False
+        self.host_layers: frozenset[int] = frozenset()  # those of them kept in host memory
         self._device: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
         self._slot: dict[tuple[int, int], int] = {}  # host entries
         self._loaded: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, object]] = {}
@@ -66,8 +66,10 @@ class KeptAttention:
 
     @property
     def where(self) -> str | None:
-        """'gpu' or 'host' where this step keeps outputs, None when it keeps none."""
-        return ("host" if self.on_host else "gpu") if self.layers else None
+        """Where this step keeps outputs: 'gpu', 'host', 'gpu+host' (some layers' each), None (none)."""
+        if not self.layers:
+            return None
+        return "host" if len(self.host_layers) == len(self.layers) else "gpu+host" if self.host_layers else "gpu"
 
     @property
     def arena_bytes(self) -> int:
@@ -75,17 +77,18 @@ class KeptAttention:
 
     # -- the step -----------------------------------------------------------------------------
 
-    def begin_step(self, layers: list[int], on_host: bool, n_chunks: int, o_shape: tuple[int, ...],
+    def begin_step(self, layers: list[int], host_layers: list[int], n_chunks: int, o_shape: tuple[int, ...],
                    dtype: torch.dtype) -> None:
-        """Keep `layers` of chunks [0, n_chunks) this step; o_shape: (B, H, C, D)."""
+        """Keep `layers` of chunks [0, n_chunks) this step, those of `host_layers` in host memory;
+        o_shape: (B, H, C, D)."""
         self.clear()
-        self.layers, self.on_host = tuple(layers), on_host
+        self.layers, self.host_layers = tuple(layers), frozenset(host_layers)
         b, h, c, d = o_shape
         self._shapes = (o_shape, (b, h, c), dtype)
-        if not (on_host and layers):
+        if not self.host_layers:
             return
         entry = self.entry_bytes(b, c, h, d, dtype.itemsize)
-        n = len(layers) * n_chunks
+        n = len(self.host_layers) * n_chunks
         if entry != self._entry_bytes or n > len(self._free):
             self._arena = None  # free the old arena before pinning the new one
             self._arena = empty_pinned((n * entry,), torch.uint8, pin=self.cuda)
@@ -94,7 +97,7 @@ class KeptAttention:
 
     def put(self, c: int, i: int, o: torch.Tensor, lse: torch.Tensor) -> None:
         """Stage 1: keep layer i's (o, lse) of chunk c (i in self.layers)."""
-        if not self.on_host:
+        if i not in self.host_layers:
             self._device[c, i] = (o, lse)
             return
         slot = self._free.pop()

@@ -32,10 +32,10 @@ buffer, on the copy stream after the compute before it.
 Sparse attention reads only a chunk's candidate pages, scattered over the arena: they are
 staged as one group. Where only the GPU knows them (stage 1, which has just selected them) by
 `copy_rows`, a kernel that reads the pinned pages directly (and writes their dK/dV back the same
-way), from a row list computed on the GPU: no host sync, one launch. Where the host has the
-selection too (stage 2: the engine copies stage 1's selections of host layers to the host once,
-`Selection.host_pages`), the copy engines move them (memory/dma.py: one batched driver call per
-transfer), which leaves every SM to the compute beside it.
+way), from a row list computed on the GPU: no host sync, one launch. Stage 2 reuses stage 1's
+selections, whose pages were copied to the host as they were made (`copy_rows_to_host`: an
+asynchronous copy and an event, long done when stage 2 needs them): there the copy engines move
+the pages (memory/dma.py: one batched driver call per transfer), leaving every SM to the compute.
 On a CPU model the same code runs with plain memory and synchronous copies.
 """
 from __future__ import annotations
@@ -77,6 +77,8 @@ class HostPages:
         self._prefetched: dict[int, tuple] = {}
         self._next = 0
         self._zeros: torch.Tensor | None = None  # (n, B, Hkv, P, D) grad dtype, copied over new dK/dV pages
+        self._rows_block = torch.empty(0, dtype=torch.int32)  # selections' pages on the host (copy_rows_to_host)
+        self._rows_used = 0
 
     # -- sizes ----------------------------------------------------------------------------
 
@@ -98,6 +100,7 @@ class HostPages:
         if not self.layers:
             return
         self._prefetched.clear()  # a step cut short may have left loads nobody used
+        self._rows_used = 0  # the last step's selections are gone
         if batch != self.batch or max_pages > self.max_pages:
             s = self.spec
             shape = (max_pages, batch, s.n_kv_heads, s.page_size, s.head_dim)
@@ -165,11 +168,28 @@ class HostPages:
     # -- reading: groups of pages on the device --------------------------------------------
 
     def page_groups(self, layer: int, first: int, n_pages: int, extra: dict,
-                    pages: torch.Tensor | None = None, host_pages: np.ndarray | None = None) -> "_HostGroups":
+                    pages: torch.Tensor | None = None, host_pages: tuple | None = None) -> "_HostGroups":
         """Pages [first, n_pages) of `layer`, or only `pages` ((B, n) logical pages on the
-        device: a sparse selection's, staged as one group by a gather; `host_pages`, the same
-        on the host, lets the copy engines gather them)."""
+        device: a sparse selection's, staged as one group by a gather; `host_pages`, their copy
+        from copy_rows_to_host, lets the copy engines gather them)."""
         return _HostGroups(self, layer, first, n_pages, extra, pages, host_pages)
+
+    def copy_rows_to_host(self, pages: torch.Tensor) -> tuple[torch.Tensor, object]:
+        """Starts copying `pages` (a selection's, int32 on the device) to pinned host memory after
+        the compute queued so far; returns the host tensor and the copy's event (None on CPU).
+        The host memory is a bump allocation in pinned blocks, reset each step."""
+        n = pages.numel()
+        if self._rows_used + n > self._rows_block.numel():
+            self._rows_block = torch.empty(max(2 * self._rows_block.numel(), n, 2**16), dtype=torch.int32,
+                                           pin_memory=self.cuda)  # earlier views keep the old block alive
+            self._rows_used = 0
+        host = self._rows_block[self._rows_used : self._rows_used + n].view(pages.shape)
+        self._rows_used += n
+        host.copy_(pages, non_blocking=True)
+        done = self._event()
+        if self.cuda:
+            done.record(torch.cuda.current_stream(self.device))
+        return host, done
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """Starts copying the dK, dV later chunks accumulated for a chunk's own keys to the device;
@@ -267,10 +287,11 @@ class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
     def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict,
-                 pages: torch.Tensor | None, host_pages: np.ndarray | None = None) -> None:
+                 pages: torch.Tensor | None, host_pages: tuple | None = None) -> None:
         self.host, self.layer, self.extra = host, layer, extra
         g = host.group_pages
-        self.rows = self.host_rows = None
+        self.rows = None
+        self._host_pages, self._host_rows = host_pages, None
         if pages is None:
             self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
         else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
@@ -278,13 +299,23 @@ class _HostGroups:
             assert n <= g, f"{n} selected pages do not fit {g} staging slots"
             self.spans = [(0, n)] if n else []
             self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
-            if host_pages is not None:
-                self.host_rows = (host_pages.T.astype(np.int64) * b + np.arange(b)).ravel()
             if host.cuda:  # made on the compute stream, read on the copy streams
                 self.rows_ready = torch.cuda.Event()
                 self.rows_ready.record(torch.cuda.current_stream(host.device))
                 self.rows.record_stream(host.copy_stream)
                 self.rows.record_stream(host.d2h_stream)
+
+    @property
+    def host_rows(self) -> np.ndarray | None:
+        """The gather's rows on the host (the copy engines' work), once the host copy of the
+        selection is done; None without one (the kernel gathers)."""
+        if self._host_rows is None and self._host_pages is not None:
+            pages, done = self._host_pages
+            if done is not None:
+                done.synchronize()  # stage 1 made it: done long ago
+            b = pages.shape[0]
+            self._host_rows = (pages.numpy().T.astype(np.int64) * b + np.arange(b)).ravel()
+        return self._host_rows
 
     def prefetch(self, with_grad: bool) -> None:
         """Start loading the first group now, so the load hides behind the compute before it.

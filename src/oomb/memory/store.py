@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from ..attention.sparse import Selection, page_representatives
@@ -182,26 +181,25 @@ class PagedKVStore:
             return self.host.page_groups(layer, first, n_pages, extra)
         return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.group_pages)
 
-    def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int):
+    def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int,
+                        copy_engines: bool = False):
         """The pages a sparse selection reads of the first `n_pages` pages of `layer`, as one
-        group: its pages are the chunk's candidates, its per-block picks index them."""
+        group: its pages are the chunk's candidates, its per-block picks index them. A host
+        layer's move on the copy engines with `copy_engines` (its host copy is done, or nearly:
+        the host waits for it), else by the zero-copy kernel."""
         extra = {"selection": selection.blocks, "block_queries": block_queries, "q_start": n_pages * self.spec.page_size}
         if layer not in self._row:
-            return self.host.page_groups(layer, 0, n_pages, extra, selection.pages, selection.host_pages)
+            return self.host.page_groups(layer, 0, n_pages, extra, selection.pages,
+                                         selection.host_pages if copy_engines else None)
         table = self.table[self._row[layer], :, :n_pages].gather(1, selection.pages.long())
         return _PoolGroups(self, table, 0, extra, max(1, table.shape[1]))
 
-    def selections_to_host(self, selections: dict[tuple[int, int], Selection]) -> None:
-        """Give the host layers' selections (keyed (chunk, layer)) a host copy of their pages, so
-        that the copy engines move those pages (memory/dma.py) instead of the zero-copy kernel,
-        which holds SMs. One copy and one sync, between the stages: ~28 KiB per chunk at 7B."""
-        keys = [key for key in selections if key[1] not in self._row] if self.host.dma is not None else []
-        if not keys:
-            return
-        pages = torch.cat([selections[key].pages.flatten() for key in keys]).cpu().numpy()
-        offsets = np.cumsum([0] + [selections[key].pages.numel() for key in keys])
-        for key, start, end in zip(keys, offsets[:-1], offsets[1:]):
-            selections[key] = selections[key]._replace(host_pages=pages[start:end].reshape(selections[key].pages.shape))
+    def copy_to_host(self, layer: int, selection: Selection) -> Selection:
+        """A host layer's selection with a copy of its pages on the way to the host (when the copy
+        engines are there to use it: memory/dma.py); others as they are."""
+        if layer in self._row or self.host.dma is None:
+            return selection
+        return selection._replace(host_pages=self.host.copy_rows_to_host(selection.pages))
 
     def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
         """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
