@@ -94,7 +94,10 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         step.host_layers = lambda: len(engine.store.host_layers)
         step.kept = lambda: {"kept_layers": len(engine.kept.layers),
                              "kept_where": engine.kept.where,
-                             "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2)}
+                             "kept_host_layers": len(engine.kept.host_layers),
+                             "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2),
+                             # how stage 2 moves a sparse host layer's selected pages (memory/dma.py)
+                             "copy_engines": engine.store.host.dma is not None}
 
         def reserve(tokens: int) -> None:
             engine.reserve(1, tokens)

@@ -57,7 +57,10 @@ def _kept_label(r: dict) -> str:
         return ""
     if "kept_where" not in r:
         return " keep-attn"
-    return f" keep-attn-{r['kept_where']}-{r['kept_layers']}L" if r.get("kept_layers") else ""
+    if not r.get("kept_layers"):
+        return ""
+    split = f"-{r['kept_layers'] - r['kept_host_layers']}+{r['kept_host_layers']}" if r["kept_where"] == "gpu+host" else ""
+    return f" keep-attn-{r['kept_where']}{split}-{r['kept_layers']}L"
 
 
 def step_table(rows: list[dict]) -> str:
