@@ -124,11 +124,17 @@ def test_plan_placement_and_longest_context(capsys):
     auto = place(p, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer
-    # kept attention outputs (1M: 255 chunks x 27 layers x 28.4 MiB) go to the host unless 'none' fits them
+    # kept attention outputs (1M: 255 chunks x 27 layers x 28.4 MiB): as many layers' as fit beside
+    # the pages on the GPU ('auto' leaves less than a layer's room; 'all' most of the GPU), the rest on the host
     kept = plan(cfg, 2**20, kv_grad_dtype=torch.bfloat16, optimizer_bytes_per_param=0, keep_attention=True)
-    assert kept.kept_attention == 255 * 27 * 4096 * 28 * (128 * 2 + 4)
+    per_layer = 255 * 4096 * 28 * (128 * 2 + 4)
+    assert kept.kept_attention == 27 * per_layer and kept.kept_layers == 27
     assert place(kept, "auto", 140 * gib, 300 * gib).host == auto.host + kept.kept_attention
     assert place(kept, "auto", 140 * gib, 300 * gib).gpu == auto.gpu
+    split = place(kept, "all", 140 * gib, 300 * gib)
+    n_gpu = (140 * gib - every.gpu) // per_layer
+    assert 0 < n_gpu < 27 and split.gpu == every.gpu + n_gpu * per_layer
+    assert split.host == every.host + (27 - n_gpu) * per_layer and split.gpu <= 140 * gib
     short = plan(cfg, 2**16, optimizer_bytes_per_param=0, keep_attention=True)
     assert place(short, "none", 140 * gib, 0).gpu == place(plan(cfg, 2**16, optimizer_bytes_per_param=0), "none",
                                                           140 * gib, 0).gpu + short.kept_attention

@@ -82,7 +82,9 @@ def cmd_plan(args) -> None:
               f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}")
         print(p.table())
         print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
-              f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections)")
+              f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections"
+              + ("; kept attention outputs fill the room left on the GPU, then go to the host)"
+                 if p.kept_attention else ")"))
         print(placement(seq_len).summary())
     if not args.json:
         longest = longest_context(lambda n: placement(n).fits, args.chunk_size)
@@ -154,8 +156,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
     p_plan.add_argument("--keep-attention", action="store_true",
-                        help="stage 1 keeps the attention outputs for stage 2 (on the GPU with offload none when "
-                             "everything fits there, else in pinned host memory)")
+                        help="stage 1 keeps the attention outputs for stage 2 (as many layers' as fit beside the "
+                             "pages on the GPU, the others in pinned host memory)")
     p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
     p_plan.add_argument("--sparse-budget", type=int, default=0,
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")

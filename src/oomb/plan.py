@@ -34,6 +34,7 @@ class MemoryPlan:
     representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
     kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (GPU or host: place())
+    kept_layers: int = 0  # the layers they are of (every layer but the last); they are placed a layer at a time
 
     @property
     def working_set(self) -> int:
@@ -134,6 +135,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
+        kept_layers=n_layers - 1 if keep_attention else 0,
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
@@ -222,7 +224,7 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
     'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
     while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU. Kept
-    attention outputs go on the GPU with 'none' when everything fits there, else on the host."""
+    attention outputs: as many layers' as fit beside the pages on the GPU, the others on the host."""
     fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
     n_layers = p.full_layers
     layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
@@ -235,10 +237,10 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
         on_gpu = n_layers if layer == 0 else min(n_layers, max(0, gpu_capacity - fixed - staging) // layer)
     on_host = n_layers - on_gpu
     gpu, host = fixed + on_gpu * layer + (staging if on_host else 0), on_host * layer
-    if offload == "none" and gpu + p.kept_attention <= gpu_capacity:
-        gpu += p.kept_attention
-    else:
-        host += p.kept_attention
+    if p.kept_attention:
+        per_layer = p.kept_attention // p.kept_layers
+        kept_gpu = min(p.kept_layers, max(0, gpu_capacity - gpu) // per_layer) * per_layer
+        gpu, host = gpu + kept_gpu, host + p.kept_attention - kept_gpu
     return Placement(offload, gpu, host, gpu_capacity, host_capacity)
 
 
