@@ -178,5 +178,5 @@ class PagePlacement:
         a = self.adapter
         heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         n_layers = a.n_layers - 1 if n_layers is None else n_layers
-        return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), n_layers + 1, batch,
+        return kept_attention_bytes(max_pages // (self.chunk_size // self.page_size), n_layers, batch,
                                     self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)

@@ -133,18 +133,18 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         page_bytes=spec.page_bytes,
         full_layers=n_full,
         window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
-        kept_attention=kept_attention_bytes(n_chunks - 1, n_layers, batch, chunk_size, heads, head_dim, item)
+        kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
 
-def kept_attention_bytes(stored_chunks: int, n_layers: int, batch: int, chunk_size: int, heads: int,
+def kept_attention_bytes(stored_chunks: int, kept_layers: int, batch: int, chunk_size: int, heads: int,
                          head_dim: int, item: int) -> int:
-    """What keep_attention holds: each stored chunk's attention output (item bytes) and fp32 LSE,
-    every layer but the last (stage 1 stops at its K/V)."""
-    return stored_chunks * (n_layers - 1) * batch * chunk_size * heads * (head_dim * item + 4)
+    """What keep_attention holds for `kept_layers` layers (at most every layer but the last: stage
+    1 stops at its K/V): each stored chunk's attention output (item bytes) and fp32 LSE."""
+    return stored_chunks * kept_layers * batch * chunk_size * heads * (head_dim * item + 4)
 
 
 def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item,
