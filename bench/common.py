@@ -25,9 +25,13 @@ def run_info() -> dict:
                                     cwd=here).stdout.strip() or "unknown"
         except OSError:
             commit = "unknown"
-    return {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    info = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OOMB_") and k != "OOMB_COMMIT"}
+    if switches:  # the kernels' and engine's environment switches (OOMB_FUSED_DQ=1, OOMB_DMA=0, ...)
+        info["switches"] = switches
+    return info
 
 
 class PassClock:
