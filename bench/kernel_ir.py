@@ -54,7 +54,6 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     """(jit function, pointer argument types, constexpr values, launch options) as the launchers
     in oomb.attention.paged would pass them on an H200."""
     shape = dict(SHAPE, SPARSE=sparse)
-    fused = paged.FUSED_DQ and not sparse  # OOMB_FUSED_DQ=1: dense dQ from the dK/dV pages kernel
     if kind == "fwd":
         cfg = paged._fwd_config(BF16_GPU_Q, 128)
         desc = DESC.format(n=cfg["BLOCK_N"], d=128)
@@ -66,21 +65,17 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     if kind == "dq":
         desc = DESC.format(n=cfg["BLOCK_N2"], d=128) if paged.DQ_TMA else "*bf16"
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP=desc,
-                    VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32", DQI="*i32", Fix="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=paged.DQ_TMA,
-                     FUSED_DQ=fused)
+                    VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=paged.DQ_TMA)
         return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg["warps2"], num_stages=cfg["stages2"])
     if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
         const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
         return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
     qdesc = DESC.format(n=cfg["BLOCK_M1"], d=128) if paged.DKDV_TMA else "*bf16"
-    reduce_tma = fused and paged.DKDV_TMA
-    dqi = f"tensordesc<i32[1,1,{cfg['BLOCK_M1']},128]>" if reduce_tma else "*i32"
     ptrs = dict(Q=qdesc, DO=qdesc, LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
-                DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32", DQI=dqi, Fix="*fp32")
-    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=paged.DKDV_TMA, FUSED_DQ=fused,
-                 REDUCE_TMA=reduce_tma)
+                DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
+    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=paged.DKDV_TMA)
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 

@@ -207,55 +207,6 @@ def test_query_tiles_of_the_dkdv_kernel(monkeypatch, on):
     assert taken and all(t == on for t in taken)
 
 
-def spy_launches(monkeypatch, name):
-    """The keyword arguments of every launch of paged.<name> (a kernel), which still runs."""
-    kernel, launches = getattr(paged, name), []
-
-    class Spy:
-        def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                launches.append(kwargs)
-                return kernel[grid](*args, **kwargs)
-            return launch
-
-    monkeypatch.setattr(paged, name, Spy())
-    return launches
-
-
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "dq-page-loop"])
-def test_fused_dq(monkeypatch, fused):
-    """With FUSED_DQ the dK/dV pages kernel of a dense group also adds the pages' share of dQ (as
-    fixed point) and the dQ kernel keeps only the chunk's own keys; a top-k group keeps the dQ page
-    loop either way. Both match the reference: fp32 and fp16, a partial last query tile, a padded
-    head_dim (24 in a 32-wide tile), GQA 4 and 7."""
-    monkeypatch.setattr(paged, "FUSED_DQ", fused)
-    launches = spy_launches(monkeypatch, "_paged_attn_bwd_dkdv_pages")
-    run_case(2, 4, 1, 97, 16, 16, 3, torch.float32, "cpu")
-    run_case(1, 7, 1, 40, 24, 32, 5, torch.float16, "cpu")
-    assert [kw["FUSED_DQ"] for kw in launches] == [fused, fused]
-    sparse_case((2, 8, 2, 80, 16, 16, 5, 32), torch.float16, "cpu", 0)
-    assert not launches[-1]["FUSED_DQ"]
-
-
-@pytest.mark.parametrize("magnitudes", [(8.0, 1e3, 1e4), (0.1, 1e-3, 1e-6)], ids=["large", "small"])
-def test_fused_dq_fixed_point_range(monkeypatch, magnitudes):
-    """The fused dQ's integers neither overflow nor lose the result at extreme magnitudes: a
-    peaked softmax (q scaled by 8) with large V and dO, and tiny V and dO; dQ within 1e-5 of the
-    reference's (fp32), relative to its largest element."""
-    monkeypatch.setattr(paged, "FUSED_DQ", True)
-    q_mul, v_mul, do_mul = magnitudes
-    q, k, v, kp, vp, dk0, dv0, table, do = make_case(1, 4, 2, 40, 16, 16, 6, torch.float32)
-    q, v, vp, do = q * q_mul, v * v_mul, vp * v_mul, do * do_mul
-    grads = []
-    for fn in (paged_attention_triton, paged_attention_torch):
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        fn(*leaves, LayerPages(kp, vp, dk0.clone(), dv0.clone(), table), SCALE).backward(do)
-        grads.append(leaves[0].grad)
-    got, want = grads
-    assert want.abs().max() > 0
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-
-
 def test_tensor_descriptors_where_they_apply(monkeypatch):
     """The forward takes the descriptor path (the default, above) for 16-bit pools of a
     power-of-two head_dim, and pointers for fp32 pools, other head_dims and OOMB_TMA=0."""
@@ -352,9 +303,7 @@ def backward_twice(device, dtype, shape):
         assert torch.equal(a, b), f"{name} differs between two identical backward runs"
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused", "dq-page-loop"])
-def test_deterministic(monkeypatch, fused):
-    monkeypatch.setattr(paged, "FUSED_DQ", fused)
+def test_deterministic():
     backward_twice("cpu", torch.float32, (1, 4, 2, 17, 16, 16, 2))
 
 

@@ -33,7 +33,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..memory.spec import LayerPages
-from .paged_backward import (_page_maxima, _paged_attn_bwd_dkdv_own, _paged_attn_bwd_dkdv_pages, _paged_attn_bwd_dq,
+from .paged_backward import (_paged_attn_bwd_dkdv_own, _paged_attn_bwd_dkdv_pages, _paged_attn_bwd_dq,
                              _paged_attn_bwd_preprocess)
 from .paged_forward import _paged_attn_fwd
 
@@ -48,11 +48,6 @@ MAX_HEAD_DIM = 256
 TMA = os.environ.get("OOMB_TMA", "1") != "0"
 DQ_TMA = os.environ.get("OOMB_DQ_TMA", "1") != "0"
 DKDV_TMA = os.environ.get("OOMB_DKDV_TMA", "1") != "0"
-# Dense groups: the dK/dV pages kernel also computes the pages' share of dQ (5 tile products per
-# (query, key) tile pair instead of the 7 of a separate dQ page loop) and adds it into dQ as
-# fixed-point integers, so the sum is the same bits in any order (paged_backward._fixed_point_factor).
-# OOMB_FUSED_DQ=1 turns it on.
-FUSED_DQ = os.environ.get("OOMB_FUSED_DQ", "0") == "1"
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -269,43 +264,29 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     launch1 = dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])  # the dK/dV kernels
     precision = _precision(q)
 
+    delta = torch.empty_like(lse)  # (B, H, C) fp32
+    _paged_attn_bwd_preprocess[(triton.cdiv(c, 64), b * h)](
+        o, do, delta, *o.stride(), *do.stride(), c, h, D=d, HEAD_DIM=head_dim, BLOCK_M=64,
+    )
+
     sp = _sparse_args(pages, c)
     _check_blocks(sp, cfg["BLOCK_M1"])
     _check_blocks(sp, cfg["BLOCK_M2"])
-    with_pages = pages.dk is not None and pages.n_pages > 0
-    fused = FUSED_DQ and with_pages and not sp["SPARSE"]
-    block_n1 = min(cfg["BLOCK_N1"], page_size)  # no causal mask on pages: any BLOCK_M1 works
-    delta = torch.empty_like(lse)  # (B, H, C) fp32
-    maxima = fix = dqi = delta  # dummies unless fused
-    if fused:
-        maxima = torch.zeros((b * n_kv, 2), dtype=torch.float32, device=q.device)
-        _page_maxima[(pages.n_pages * (page_size // block_n1), b * n_kv)](
-            pages.k, pages.v, pages.table, maxima, *pages.k.stride(), *pages.table.stride(), n_kv,
-            D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_N=block_n1,
-        )
-        fix = torch.empty_like(lse)
-        dqi = torch.zeros((b, h, c, d), dtype=torch.int32, device=q.device)
-    _paged_attn_bwd_preprocess[(triton.cdiv(c, 64), b * h)](
-        o, do, delta, maxima, fix, *o.stride(), *do.stride(), c, h, GROUP=group, D=d, HEAD_DIM=head_dim, BLOCK_M=64,
-        FIXED_POINT=fused,
-    )
-
-    if with_pages:
+    if pages.dk is not None and pages.n_pages > 0:
         visits = _page_visits(pages)
-        grid = (pages.n_pages * (page_size // block_n1) * b * n_kv,)
+        block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
+        grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
         q_in, do_in, tma = _descriptors((q, do), cfg["BLOCK_M1"], d, DKDV_TMA)
-        reduce_tma = fused and tma and q.device.type == "cuda"  # the interpreter has no TMA reductions
-        dqi_in = TensorDescriptor.from_tensor(dqi, [1, 1, cfg["BLOCK_M1"], d]) if reduce_tma else dqi
         _paged_attn_bwd_dkdv_pages[grid](
             q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
-            visits["Visits"], visits["NVisits"], dqi_in, fix,
+            visits["Visits"], visits["NVisits"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
             *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n1, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
+            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
             WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
-            TMA=tma, FUSED_DQ=fused, REDUCE_TMA=reduce_tma, **launch1,
+            TMA=tma, **launch1,
         )
 
     dk = dv = None
@@ -328,9 +309,9 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 
     dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
     block_n = min(cfg["BLOCK_N2"], page_size)
-    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and pages.n_pages > 0 and not fused)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and pages.n_pages > 0)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
-        q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq, dqi, fix,
+        q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
         c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
@@ -338,7 +319,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=block_n, IN_PRECISION=precision,
         INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
-        FUSED_DQ=fused, num_warps=cfg["warps2"], num_stages=cfg["stages2"],
+        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
     )
     return dq, dk, dv
 

@@ -12,14 +12,11 @@ from .paged_forward import (_diagonal_visible, _own_key_tiles, _page_kv, _page_r
 
 @triton.jit
 def _paged_attn_bwd_preprocess(
-    O, DO, Delta, Maxima, Fix,
+    O, DO, Delta,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_dob, stride_doh, stride_dom, stride_dod,
-    C, H, GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-    FIXED_POINT: tl.constexpr,
+    C, H, D: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
-    """delta = rowsum(O * dO); FIXED_POINT: also each row's fixed-point factor of the fused dQ
-    (_fixed_point_factor) from the pages' Maxima (B * Hkv, 2)."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -30,56 +27,9 @@ def _paged_attn_bwd_preprocess(
     o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
                 mask=mask, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                 mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o.to(tl.float32) * do, axis=1)  # (BLOCK_M,) = rowsum(O * dO)
+                 mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)  # (BLOCK_M,) = rowsum(O * dO)
     tl.store(Delta + off_bh.to(tl.int64) * C + offs_m, delta, mask=offs_m < C)
-    if FIXED_POINT:
-        off_bkv = off_b * (H // GROUP) + off_h // GROUP
-        fix = _fixed_point_factor(tl.sqrt(tl.sum(do * do, axis=1)), delta, tl.load(Maxima + off_bkv * 2),
-                                  tl.load(Maxima + off_bkv * 2 + 1))
-        tl.store(Fix + off_bh.to(tl.int64) * C + offs_m, fix, mask=offs_m < C)
-
-
-# Fused dQ (the dK/dV pages kernel also computes its share dS K of dQ, 5 tile products per
-# (query, key) tile pair instead of 7): many programs add into one dQ tile, in no fixed order. To
-# keep dQ bitwise deterministic they add integers, whose sum does not depend on the order: each
-# share is scaled by a per-row factor and rounded to int32. The factor comes from a bound on
-# every partial sum of row i over page keys j (natural-log softmax P, the final LSE):
-#   |sum_j dS_ij K_jd| <= max|K| * sum_j P_ij (|dO_i . V_j| + |delta_i|)
-#                      <= max|K| * (||dO_i|| max_j ||V_j|| + |delta_i|)          (sum_j P_ij <= 1)
-# Scaled to 2^29, a sum stays below 2^31 with 4x to spare for rounding (bf16 dS, the recomputed
-# P); the rounding error of n shares is at most n/2 units of 2^-29 of the bound.
-@triton.jit
-def _fixed_point_factor(do_norm, delta, k_max, v_max):
-    """2^(29 - ceil(log2 bound)), exact: built from its exponent bits."""
-    bound = k_max * (do_norm * v_max + tl.abs(delta))
-    exponent = tl.ceil(tl.log2(tl.maximum(bound, 1e-30)))
-    exponent = tl.minimum(tl.maximum(exponent, -90.0), 150.0).to(tl.int32)  # a normal float either way
-    return ((127 + 29 - exponent) << 23).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _page_maxima(
-    KP, VP, Table, Maxima,
-    stride_ps, stride_ph, stride_pn, stride_pd,
-    stride_tb, stride_tp, HKV,
-    D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """One program per (page key tile, b * Hkv): max |K_jd| and max ||V_j|| of its tile into
-    Maxima (B * Hkv, 2) fp32 (zeroed), by atomic max: the same bits in any order."""
-    tiles_per_page = PAGE_SIZE // BLOCK_N
-    off_bkv = tl.program_id(1)
-    off_b = (off_bkv // HKV).to(tl.int64)
-    off_kvh = (off_bkv % HKV).to(tl.int64)
-    page = tl.program_id(0) // tiles_per_page
-    offs_n = (tl.program_id(0) % tiles_per_page) * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    slot = tl.load(Table + off_b * stride_tb + page * stride_tp).to(tl.int64)
-    offs = slot * stride_ps + off_kvh * stride_ph + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
-    k = tl.load(KP + offs, mask=(offs_d < D)[None, :], other=0.0).to(tl.float32)
-    v = tl.load(VP + offs, mask=(offs_d < D)[None, :], other=0.0).to(tl.float32)
-    tl.atomic_max(Maxima + off_bkv * 2, tl.max(tl.max(tl.abs(k), axis=1), axis=0))
-    tl.atomic_max(Maxima + off_bkv * 2 + 1, tl.sqrt(tl.max(tl.sum(v * v, axis=1), axis=0)))
 
 
 # The derivative, per query row i (natural log; P = softmax(S), S = scale * Q K^T):
@@ -97,17 +47,11 @@ def _page_maxima(
 def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                    stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
                    C, H, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window,
-                   WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
-                   DQI=None, Fix=None, FUSED_DQ: tl.constexpr = False, D: tl.constexpr = 0,
-                   REDUCE_TMA: tl.constexpr = False):
+                   WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
     """Query head off_h's tile of rows start_m .. into dK/dV of a key tile k, v (BLOCK_N,
     HEAD_DIM). Rows past the chunk load q = dO = 0 and LSE +inf, so their P is 0. TMA: Q and DO
     are tensor descriptors of (B, H, C, D) with (1, 1, BLOCK_M, HEAD_DIM) blocks, else pointers
-    (B, H, C, D) with the given strides.
-
-    FUSED_DQ: also adds the tile's share of dQ (dS K, unscaled) into DQI (B, H, C, D) int32 as
-    fixed point (the factors Fix (B, H, C); see _fixed_point_factor): a TMA reduction of the
-    tile with REDUCE_TMA (DQI a descriptor like Q's), else an atomic add per element."""
+    (B, H, C, D) with the given strides."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     mask_m = offs_m < C
     row = (off_b * H + off_h) * C
@@ -131,22 +75,9 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_
                      + offs_d[None, :] * stride_dod, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
     delta = tl.load(Delta + row + offs_m, mask=mask_m, other=0.0)
-    if FUSED_DQ:
-        fix = tl.load(Fix + row + offs_m, mask=mask_m, other=0.0)
     dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=IN_PRECISION)
-    if FUSED_DQ:
-        if k.dtype == tl.float16:  # dS * fix (up to ~2^29 / max|K|) would overflow fp16: scale the product
-            dq = tl.dot(tl.trans(dsT.to(k.dtype)), k, input_precision=IN_PRECISION) * fix[:, None]
-        else:  # scaled before the product (fix is a power of two: exact), with dS: Triton pipelines its load
-            dq = tl.dot(tl.trans((dsT * fix[None, :]).to(k.dtype)), k, input_precision=IN_PRECISION)
-        dq = tl.floor(dq + 0.5).to(tl.int32)  # (BLOCK_M, HEAD_DIM)
-        if REDUCE_TMA:
-            DQI.atomic_add(coords, dq.reshape(1, 1, BLOCK_M, HEAD_DIM))
-        else:
-            tl.atomic_add(DQI + (row + offs_m[:, None]) * D + offs_d[None, :], dq,
-                          mask=mask_m[:, None] & mask_d[None, :], sem="relaxed")
     return dk, dv
 
 
@@ -175,7 +106,7 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
 
 @triton.jit
 def _paged_attn_bwd_dkdv_pages(
-    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits, DQI, Fix,
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
@@ -185,12 +116,10 @@ def _paged_attn_bwd_dkdv_pages(
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr, TMA: tl.constexpr,
-    FUSED_DQ: tl.constexpr, REDUCE_TMA: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
     of the gradient pages, so the read-modify-write needs no atomics. TMA: Q and DO are tensor
-    descriptors (_attn_bwd_dkdv). FUSED_DQ: the program also adds its dQ shares into DQI as
-    integers (_attn_bwd_dkdv, _fixed_point_factor).
+    descriptors (_attn_bwd_dkdv).
 
     Sparse: the program visits only the query blocks that chose its page, listed in Visits
     (B, Hkv, n_pages, n_blocks) int32 (the first NVisits (B, Hkv, n_pages) entries), as one flat
@@ -237,8 +166,7 @@ def _paged_attn_bwd_dkdv_pages(
             dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                                     stride_qb, stride_qh, stride_qm, stride_qd,
                                     stride_dob, stride_doh, stride_dom, stride_dod,
-                                    C, H, qk_scale, False, IN_PRECISION, kpos, window, False, BLOCK_M, HEAD_DIM, TMA,
-                                    DQI, Fix, FUSED_DQ, D, REDUCE_TMA)
+                                    C, H, qk_scale, False, IN_PRECISION, kpos, window, False, BLOCK_M, HEAD_DIM, TMA)
     else:
         # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
         q_hi = C
@@ -251,7 +179,7 @@ def _paged_attn_bwd_dkdv_pages(
                                         stride_qb, stride_qh, stride_qm, stride_qd,
                                         stride_dob, stride_doh, stride_dom, stride_dod,
                                         C, H, qk_scale, False, IN_PRECISION, kpos, window,
-                                        WINDOWED, BLOCK_M, HEAD_DIM, TMA, DQI, Fix, FUSED_DQ, D, REDUCE_TMA)
+                                        WINDOWED, BLOCK_M, HEAD_DIM, TMA)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -323,7 +251,7 @@ def _paged_attn_bwd_dkdv_own(
 
 @triton.jit
 def _paged_attn_bwd_dq(
-    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DQ, DQI, Fix,
+    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -335,13 +263,10 @@ def _paged_attn_bwd_dq(
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr, SLOTS: tl.constexpr,
-    FUSED_DQ: tl.constexpr,
 ):
     """One program per (query tile, b, head); loops over the page key tiles, then the chunk.
     TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)) and the
-    page loop runs as the forward's (slots from registers, SLOTS pages at a time); else pointers.
-    FUSED_DQ: the pages' share came from the dK/dV kernel as fixed point in DQI (B, H, C, D)
-    int32: no page loop; it is added after the chunk's own keys."""
+    page loop runs as the forward's (slots from registers, SLOTS pages at a time); else pointers."""
     start_m = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = (off_bh // H).to(tl.int64)
@@ -366,9 +291,7 @@ def _paged_attn_bwd_dq(
     kv_mask = mask_d[:, None]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
-    if FUSED_DQ:
-        pass  # the pages' share is in DQI
-    elif TMA:
+    if TMA:
         for p0 in range(p_lo, p_hi, SLOTS):
             slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
             for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
@@ -406,10 +329,6 @@ def _paged_attn_bwd_dq(
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask & in_chunk[None, :], visible,
                               qk_scale, True, IN_PRECISION)
 
-    if FUSED_DQ:
-        fix = tl.load(Fix + off_bh.to(tl.int64) * C + offs_m, mask=mask_m, other=1.0)
-        dqi = tl.load(DQI + (off_bh.to(tl.int64) * C + offs_m[:, None]) * D + offs_d[None, :], mask=mask_md, other=0)
-        dq += dqi.to(tl.float32) / fix[:, None]
     dq *= scale  # dQ = scale * dS K
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd,
              dq.to(DQ.dtype.element_ty), mask=mask_md)
