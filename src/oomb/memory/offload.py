@@ -235,15 +235,15 @@ class HostPages:
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
-            if rows is None:
-                for i in tensors:
-                    staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
-            elif self.dma is not None and host_rows is not None:
+            if host_rows is not None:
                 self._batch([row_copies(host[i].flatten(0, 1), host_rows, staged[i], None) for i in tensors],
                             self.copy_stream)
-            else:
+            elif rows is not None:
                 for i in tensors:
                     copy_rows(host[i].flatten(0, 1), rows, staged[i], None)
+            else:
+                for i in tensors:
+                    staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
             if self.cuda:
                 self.ready[buf].record(self.copy_stream)
 
@@ -256,14 +256,14 @@ class HostPages:
         with stream:
             if self.cuda:
                 self.d2h_stream.wait_event(self.used[buf])
-            if rows is None:
-                for staged, host in pairs:
-                    host[start * self.batch : end * self.batch].copy_(staged[:n], non_blocking=True)
-            elif self.dma is not None and host_rows is not None:
+            if host_rows is not None:
                 self._batch([row_copies(staged, None, host, host_rows) for staged, host in pairs], self.d2h_stream)
-            else:
+            elif rows is not None:
                 for staged, host in pairs:
                     copy_rows(staged, None, host, rows)
+            else:
+                for staged, host in pairs:
+                    host[start * self.batch : end * self.batch].copy_(staged[:n], non_blocking=True)
             if self.cuda:
                 self.stored[buf].record(self.d2h_stream)
 
@@ -290,14 +290,17 @@ class _HostGroups:
                  pages: torch.Tensor | None, host_pages: tuple | None = None) -> None:
         self.host, self.layer, self.extra = host, layer, extra
         g = host.group_pages
-        self.rows = None
+        self.rows = None  # the kernel's gather rows on the device
         self._host_pages, self._host_rows = host_pages, None
+        self._gather = None  # which gather a prefetch was for (this one's: id(self))
         if pages is None:
             self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
         else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
             b, n = pages.shape
             assert n <= g, f"{n} selected pages do not fit {g} staging slots"
             self.spans = [(0, n)] if n else []
+            self._gather = id(self)
+        if pages is not None and host_pages is None:  # without a host copy of the selection the kernel gathers
             self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
             if host.cuda:  # made on the compute stream, read on the copy streams
                 self.rows_ready = torch.cuda.Event()
@@ -325,7 +328,7 @@ class _HostGroups:
             self.host._prefetched[self._begin(with_grad)] = self._key(with_grad)
 
     def _key(self, with_grad: bool) -> tuple:
-        return self.layer, with_grad, self.spans[0], id(self.rows)
+        return self.layer, with_grad, self.spans[0], self._gather
 
     def _begin(self, with_grad: bool) -> int:
         """Load the first group into the next staging buffer; returns the buffer."""
