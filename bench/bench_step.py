@@ -71,7 +71,7 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
             compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: str = "no",
-            page_budget_gib: float | None = None, kept_host_gib: float | None = None):
+            page_budget_gib: float | None = None, kept_host_gib: float | None = None, group_pages: int = 128):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
@@ -82,6 +82,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="auto",
+                                           group_pages=group_pages,
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
@@ -129,7 +130,7 @@ def worker(args) -> None:
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
                             compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
-                            args.kept_host_gib)
+                            args.kept_host_gib, args.group_pages)
     vocab = model.config.vocab_size
     # Warm-up: kernels compiled, grads allocated. Six chunks, so that the last reads 5 chunks of
     # earlier pages (160 at 4096 tokens): more than one dense group of pages (128: the kernels'
@@ -156,6 +157,7 @@ def worker(args) -> None:
                "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
                "keep_attention": args.keep_attention if args.impl in OOMB_OFFLOAD else None,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
+               "group_pages": args.group_pages if args.impl in OOMB_OFFLOAD else None,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -229,6 +231,8 @@ def main() -> None:
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
     ap.add_argument("--page-budget-gib", type=float, default=None,
                     help="oomb 'auto': GPU bytes for pages (default: what is free); fewer puts more layers on the host")
+    ap.add_argument("--group-pages", type=int, default=128,
+                    help="oomb: pages per attention call (and per host transfer): ChunkRecurrentEngine(group_pages=)")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--profile-passes", default="", metavar="FIRST:COUNT",
                     help="oomb: profile only COUNT chunk passes after the FIRST (stage 1's n - 1 passes, then "
@@ -247,7 +251,7 @@ def main() -> None:
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
                "--param-grad-dtype", args.param_grad_dtype, "--profile-passes", args.profile_passes,
-               "--device", args.device, "--float8", args.float8]
+               "--device", args.device, "--float8", args.float8, "--group-pages", str(args.group_pages)]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")
         if args.oomb_liger:
