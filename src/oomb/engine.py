@@ -45,6 +45,11 @@ class ChunkRecurrentEngine(PagePlacement):
 
     The engine only computes gradients (accumulated into each parameter's .grad, exactly as
     `loss.backward()` would); the optimizer and the data belong to the caller.
+
+    group_pages: a layer's earlier pages are attended this many at a time, and a host layer's
+    staged this many at a time; every offload mode groups alike, so their gradients are bitwise
+    equal. With every page on the GPU, fewer, larger calls are faster for dense attention
+    (1024: -1.5 % at 64K, -3 % at 128K tokens on an H200; docs/benchmarks.md, session 18).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
