@@ -292,6 +292,21 @@ def test_gradient_accumulation_equals_one_big_batch(monkeypatch, tmp_path, capsy
         TrainConfig(grad_accum=0)
 
 
+def test_group_pages_reaches_the_engine(monkeypatch):
+    """--group-pages (pages per attention call) is the engine's; one call or a call per page (the
+    second chunk reads two pages) train alike: grouping changes only the order of the sums."""
+    from oomb.train import trainer
+
+    made, engine = [], trainer.ChunkRecurrentEngine
+    monkeypatch.setattr(trainer, "ChunkRecurrentEngine",
+                        lambda *args, **kwargs: made.append(kwargs["group_pages"]) or engine(*args, **kwargs))
+    one_call = train(TrainConfig(**{**SMALL, "steps": 2}, group_pages=64))
+    per_page = train(TrainConfig(**{**SMALL, "steps": 2}, group_pages=1))
+    assert made == [64, 1] and per_page == pytest.approx(one_call, rel=1e-5)
+    with pytest.raises(ValueError, match="group_pages=0 must be >= 1"):
+        TrainConfig(group_pages=0)
+
+
 def test_periodic_evaluation_is_the_models_held_out_loss(tmp_path, capsys):
     """--eval-every: the held-out loss logged after the last step is transformers' loss of the
     exported model on the same held-out batches; it is evaluated at every multiple and the end."""

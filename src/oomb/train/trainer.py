@@ -183,7 +183,7 @@ def train(cfg: TrainConfig) -> list[float]:
     optimizer = make_optimizer(params, cfg, dp_group if zero else None)
     try:
         engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size,
-                                      backend=cfg.backend, offload=cfg.offload,
+                                      group_pages=cfg.group_pages, backend=cfg.backend, offload=cfg.offload,
                                       kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
                                       checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
                                       reserved_gpu_bytes=optimizer_state_bytes(optimizer),
