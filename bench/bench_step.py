@@ -133,10 +133,11 @@ def worker(args) -> None:
                             args.kept_host_gib, args.group_pages)
     vocab = model.config.vocab_size
     # Warm-up: kernels compiled, grads allocated. Six chunks, so that the last reads 5 chunks of
-    # earlier pages (160 at 4096 tokens): more than one dense group of pages (128: the kernels'
-    # second group runs without the chunk's own keys, a variant of its own) and than top-k's
-    # budget (64). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
-    warm = min(6 * args.chunk_size, args.lengths[0])
+    # earlier pages (160 at 4096 tokens): more than top-k's budget (64) and than one dense group of
+    # pages (128 by default, or --group-pages: the kernels' second group runs without the chunk's
+    # own keys, a variant of its own); at most the first length (a longer one after it may still
+    # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
+    warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
     step(torch.randint(0, vocab, (1, warm), device=args.device))
     t0 = time.perf_counter()
     reserve(max(args.lengths))

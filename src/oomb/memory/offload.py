@@ -300,13 +300,13 @@ class _HostGroups:
             assert n <= g, f"{n} selected pages do not fit {g} staging slots"
             self.spans = [(0, n)] if n else []
             self._gather = id(self)
-        if pages is not None and host_pages is None:  # without a host copy of the selection the kernel gathers
-            self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
-            if host.cuda:  # made on the compute stream, read on the copy streams
-                self.rows_ready = torch.cuda.Event()
-                self.rows_ready.record(torch.cuda.current_stream(host.device))
-                self.rows.record_stream(host.copy_stream)
-                self.rows.record_stream(host.d2h_stream)
+            if host_pages is None:  # without a host copy of the selection the kernel gathers
+                self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
+                if host.cuda:  # made on the compute stream, read on the copy streams
+                    self.rows_ready = torch.cuda.Event()
+                    self.rows_ready.record(torch.cuda.current_stream(host.device))
+                    self.rows.record_stream(host.copy_stream)
+                    self.rows.record_stream(host.d2h_stream)
 
     @property
     def host_rows(self) -> np.ndarray | None:
