@@ -283,6 +283,13 @@ class HostPages:
         return torch.cuda.Event() if self.cuda else None
 
 
+def _gather_rows(pages: torch.Tensor) -> torch.Tensor:
+    """The arena rows of a gathered group, (n * B,) int64 on pages' device: staged page j of
+    sequence b is host page pages[b, j] of b, arena row pages[b, j] * B + b."""
+    b = pages.shape[0]
+    return (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()
+
+
 class _HostGroups:
     """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
 
@@ -296,12 +303,12 @@ class _HostGroups:
         if pages is None:
             self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
         else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
-            b, n = pages.shape
+            n = pages.shape[1]
             assert n <= g, f"{n} selected pages do not fit {g} staging slots"
             self.spans = [(0, n)] if n else []
             self._gather = id(self)
             if host_pages is None:  # without a host copy of the selection the kernel gathers
-                self.rows = (pages.t().long() * b + torch.arange(b, device=pages.device)).flatten()  # (n * B,)
+                self.rows = _gather_rows(pages)
                 if host.cuda:  # made on the compute stream, read on the copy streams
                     self.rows_ready = torch.cuda.Event()
                     self.rows_ready.record(torch.cuda.current_stream(host.device))
@@ -316,8 +323,7 @@ class _HostGroups:
             pages, done = self._host_pages
             if done is not None:
                 done.synchronize()  # stage 1 made it: done long ago
-            b = pages.shape[0]
-            self._host_rows = (pages.numpy().T.astype(np.int64) * b + np.arange(b)).ravel()
+            self._host_rows = _gather_rows(pages).numpy()
         return self._host_rows
 
     def prefetch(self, with_grad: bool) -> None:
