@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--group-pages", type=int, default=128, help="earlier pages per attention call")
     ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
     ap.add_argument("--compile", action="store_true", help="torch.compile around attention (compile_layers)")
@@ -80,6 +81,7 @@ def main() -> None:
             sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size,
                                            offload=args.offload, kv_grad_dtype=GRAD_DTYPES[args.kv_grad_dtype],
+                                           group_pages=args.group_pages,
                                            sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None,
                                            compile_layers=args.compile)
         warm = torch.randint(0, vocab, (1, min(8192, lengths[0])), device=device)
@@ -97,7 +99,8 @@ def main() -> None:
             profile = bool(args.profile) and rank == 0 and length == lengths[-1]
             t0 = time.perf_counter()
             with profiled(profile, args.profile, f"{impl}-tp{args.tp}"):
-                result = engine.forward_backward(ids, num_tokens=global_token_count(ids, dp_group))
+                result = engine.forward_backward(ids, num_tokens=global_token_count(ids, dp_group),
+                                                 progress=_progress(t0) if rank == 0 else None)
                 all_reduce_gradients(model, dp_group)
                 if cuda:
                     torch.cuda.synchronize(device)
@@ -112,7 +115,7 @@ def main() -> None:
                 tokens = dp_size * length
                 row = {"bench": "parallel", "impl": impl, "model": args.model, "world": world, "tp": args.tp,
                        "dp": dp_size, "seq_len": length, "layers": model.config.num_hidden_layers,
-                       "chunk_size": args.chunk_size, "offload": args.offload, "kv_grad_dtype": args.kv_grad_dtype,
+                       "chunk_size": args.chunk_size, "group_pages": args.group_pages, "offload": args.offload, "kv_grad_dtype": args.kv_grad_dtype,
                        "compile": args.compile,
                        "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
@@ -125,6 +128,15 @@ def main() -> None:
             torch.cuda.empty_cache()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _progress(t0: float):
+    """Rank 0 prints the chunk passes done about every 5 %, with the seconds since the step began
+    (a step that outlasts its time limit still tells how far it got)."""
+    def report(done: int, total: int) -> None:
+        if done == total or done % max(1, total // 20) == 0:
+            print(f"  pass {done}/{total} at {time.perf_counter() - t0:.1f} s", flush=True)
+    return report
 
 
 if __name__ == "__main__":
