@@ -34,6 +34,7 @@ from oomb.parallel import all_reduce_gradients, apply_tensor_parallel, global_to
 from oomb.presets import load_model  # noqa: E402
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KEEP = {"no": False, "yes": True, "fit": None}  # --keep-attention -> the engine's keep_attention
 
 
 def main() -> None:
@@ -48,6 +49,8 @@ def main() -> None:
     ap.add_argument("--group-pages", type=int, default=128, help="earlier pages per attention call")
     ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
+    ap.add_argument("--keep-attention", choices=sorted(KEEP), default="no",
+                    help="stage 2 takes stage 1's attention outputs: yes (every layer), fit (as many as fit), no")
     ap.add_argument("--compile", action="store_true", help="torch.compile around attention (compile_layers)")
     ap.add_argument("--device", default="cuda", help="cpu: gloo smoke run (with --model tiny)")
     ap.add_argument("--profile", default="", help="a directory: rank 0 profiles the last length's step into it "
@@ -81,10 +84,11 @@ def main() -> None:
             sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size,
                                            offload=args.offload, kv_grad_dtype=GRAD_DTYPES[args.kv_grad_dtype],
-                                           group_pages=args.group_pages,
+                                           group_pages=args.group_pages, keep_attention=KEEP[args.keep_attention],
                                            sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None,
                                            compile_layers=args.compile)
-        warm = torch.randint(0, vocab, (1, min(8192, lengths[0])), device=device)
+        # two chunks at least: the layers compile for the chunk's shape, the kernels for earlier pages
+        warm = torch.randint(0, vocab, (1, min(max(8192, 2 * args.chunk_size), lengths[0])), device=device)
         engine.forward_backward(warm)  # kernels compiled, gradients allocated
         engine.reserve(1, max(lengths))  # pages and pinned host memory, as a training run does once
         for length in lengths:
@@ -115,7 +119,8 @@ def main() -> None:
                 tokens = dp_size * length
                 row = {"bench": "parallel", "impl": impl, "model": args.model, "world": world, "tp": args.tp,
                        "dp": dp_size, "seq_len": length, "layers": model.config.num_hidden_layers,
-                       "chunk_size": args.chunk_size, "group_pages": args.group_pages, "offload": args.offload, "kv_grad_dtype": args.kv_grad_dtype,
+                       "chunk_size": args.chunk_size, "group_pages": args.group_pages, "offload": args.offload,
+                       "kv_grad_dtype": args.kv_grad_dtype, "keep_attention": args.keep_attention,
                        "compile": args.compile,
                        "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),

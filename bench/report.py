@@ -155,15 +155,17 @@ def parallel_table(rows: list[dict]) -> str:
     for (commit, date, gpu), run in by_run(rows).items():
         single = {(r["impl"], r["seq_len"]): r["tok_s_per_gpu"] for r in run if r["world"] == 1}
         out.append(f"Commit `{commit}`, {date}, {gpu}, torch {run[0].get('torch')}, {run[0]['model']}, "
-                   f"{run[0]['layers']} layers, offload {run[0]['offload']}, {run[0]['kv_grad_dtype']} dK/dV.\n")
-        out.append("| impl | GPUs | TP x DP | context | s / step | tok/s | tok/s per GPU | DP efficiency | peak GiB |")
-        out.append("|---|---|---|---|---|---|---|---|---|")
+                   f"{run[0]['layers']} layers.\n")
+        out.append("| impl | GPUs | TP x DP | context | chunk | pages a call | offload | dK/dV | s / step | tok/s "
+                   "| tok/s per GPU | DP efficiency | peak GiB |")
+        out.append("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in sorted(run, key=lambda r: (r["impl"], r["seq_len"], r["world"], r["tp"])):
             base = single.get((r["impl"], r["seq_len"]))
             eff = f"{r['tok_s_per_gpu'] / base:.0%}" if base and r["tp"] == 1 and r["world"] > 1 else ""
             peak = "" if r.get("peak_gib") is None else f"{r['peak_gib']:.1f}"
-            out.append(f"| {r['impl']} | {r['world']} | {r['tp']} x {r['dp']} | {_k(r['seq_len'])} | {r['step_s']:g} | "
-                       f"{r['tok_s']:,.0f} | {r['tok_s_per_gpu']:,.0f} | {eff} | {peak} |")
+            out.append(f"| {r['impl']} | {r['world']} | {r['tp']} x {r['dp']} | {_k(r['seq_len'])} | "
+                       f"{r['chunk_size']} | {r.get('group_pages', 128)} | {r['offload']} | {r['kv_grad_dtype']} | "
+                       f"{r['step_s']:g} | {r['tok_s']:,.0f} | {r['tok_s_per_gpu']:,.0f} | {eff} | {peak} |")
         out.append("")
     return "\n".join(out)
 

@@ -65,7 +65,7 @@ def test_bench_parallel_smoke(tmp_path):
     for nproc, tp in ((1, 1), (2, 1), (2, 2)):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29517",
                os.path.join(ROOT, "bench", "bench_parallel.py"), "--device", "cpu", "--model", "tiny", "--tp", str(tp),
-               "--lengths", "512", "--chunk-size", "128", "--page-size", "32", "--out", str(out)]
+               "--lengths", "512", "--chunk-size", "128", "--page-size", "32", "--group-pages", "2", "--out", str(out)]
         subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["world"], r["tp"], r["dp"]) for r in rows] == [(1, 1, 1), (2, 1, 2), (2, 2, 1)]
@@ -76,8 +76,10 @@ def test_bench_parallel_smoke(tmp_path):
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from report import parallel_table
     lines = parallel_table(rows).splitlines()
-    dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |"))
-    assert dp2.split(" | ")[7].endswith("%")  # DP efficiency against the 1-process row
+    header = next(line for line in lines if line.startswith("| impl |")).split(" | ")
+    dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |")).split(" | ")
+    assert dp2[header.index("DP efficiency")].endswith("%")  # against the 1-process row
+    assert dp2[header.index("pages a call")] == "2"
 
 
 def test_step_table_shows_repeats_and_chunk_sizes():
