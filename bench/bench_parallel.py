@@ -71,6 +71,8 @@ def main() -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     info = run_info() if rank == 0 else {}
 
+    t_start = time.perf_counter()
+    say = print if rank == 0 else (lambda *a, **k: None)
     torch.manual_seed(0)  # the same weights on every rank
     overrides = {} if args.layers is None else {"num_hidden_layers": args.layers}
     model = load_model(args.model, dtype=torch.bfloat16 if cuda else torch.float32, device=device, **overrides)
@@ -79,6 +81,7 @@ def main() -> None:
         apply_tensor_parallel(model, mesh["tp"])
     lengths = [parse_tokens(x) for x in args.lengths.split(",")]
     vocab = model.config.vocab_size
+    say(f"model built in {time.perf_counter() - t_start:.1f} s", flush=True)
     for impl in args.impls.split(","):
         if impl not in ("dense", "sparse"):
             sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
@@ -89,8 +92,12 @@ def main() -> None:
                                            compile_layers=args.compile)
         # two chunks at least: the layers compile for the chunk's shape, the kernels for earlier pages
         warm = torch.randint(0, vocab, (1, min(max(8192, 2 * args.chunk_size), lengths[0])), device=device)
+        t0 = time.perf_counter()
         engine.forward_backward(warm)  # kernels compiled, gradients allocated
+        t1 = time.perf_counter()
         engine.reserve(1, max(lengths))  # pages and pinned host memory, as a training run does once
+        say(f"{impl}: warm-up step ({warm.shape[1]} tokens) {t1 - t0:.1f} s, reserve {time.perf_counter() - t1:.1f} s",
+            flush=True)
         for length in lengths:
             # Each data-parallel rank its own sequence; the ranks of a TP group the same one.
             gen = torch.Generator().manual_seed(1000 + dp_rank)
