@@ -111,3 +111,59 @@ def test_auto_budget_counts_what_is_still_to_come(monkeypatch):
     monkeypatch.setattr(engine, "_free_budget", lambda: next(budgets))
     monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the budget is a CUDA matter
     assert engine._page_budget() == 123 and engine._page_budget() == 123  # the first step's, kept
+
+
+
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_next_host_layer_loads_while_this_one_computes(monkeypatch, reference, keep_attention):
+    """Dense host layers: the next layer's first group (forward: the layer above, without dK/dV;
+    backward: the layer below, with them) starts loading once this layer's last group is in
+    use, into the staging buffer its earlier groups are done with, so it hides behind this
+    layer's last group. Stage 2's forward of a layer whose output stage 1 kept reads no page
+    and loads none. Loss and gradients stay bitwise those of the device pool."""
+    from oomb.memory import offload
+
+    events = []
+    load, call = offload.HostPages._load, offload._HostGroups.__call__
+    monkeypatch.setattr(offload.HostPages, "_load", lambda self, buf, layer, span, with_grad, *args:
+                        events.append(("load", layer, with_grad, span[0], buf))
+                        or load(self, buf, layer, span, with_grad, *args))
+
+    def use(self, with_grad):
+        for g, pages in enumerate(call(self, with_grad)):
+            events.append(("group", self.layer, with_grad, g, len(self.spans)))
+            yield pages
+    monkeypatch.setattr(offload._HostGroups, "__call__", use)
+    model = make_model("qwen2", layers=3)
+    ids = torch.randint(0, 97, (2, 203), generator=torch.Generator().manual_seed(0))
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch", offload="all",
+                                       group_pages=3, keep_attention=keep_attention)
+    result = engine.forward_backward(ids, progress=lambda done, total: events.append(("pass", done, total)))
+    _, ref_loss, ref_grads = reference
+    assert torch.equal(result.loss, ref_loss)
+    assert all(torch.equal(p.grad, ref_grads[n]) for n, p in model.named_parameters())
+
+    passes = [k for k, e in enumerate(events) if e[0] == "pass"]
+    n_chunks = (len(passes) + 1) // 2
+    checked = 0
+    for p in range(1, len(passes)):
+        window = events[passes[p - 1] + 1 : passes[p]]
+        stage1 = p < n_chunks - 1
+        kept = keep_attention and p >= n_chunks  # stage 2 of a chunk stage 1 ran (not the last one)
+        for k, (kind, layer, with_grad, g, n) in enumerate(window):
+            nxt = layer - 1 if with_grad else layer + 1
+            last_attending = 1 if stage1 else 2  # stage 1 skips the last layer's attention
+            if kind != "group" or g != n - 1 or n < 2 or not 0 <= nxt <= last_attending:
+                continue
+            if not with_grad and kept:
+                continue
+            follower = window[k - 1]
+            assert follower[:4] == ("load", nxt, with_grad, 0), (p, window[k - 3 : k + 1])
+            own = next(e for e in reversed(window[: k - 1]) if e[:3] == ("load", layer, with_grad))
+            assert own[4] != follower[4]  # the buffer the last group is not in
+            checked += 1
+        if kept:  # the kept layers' forwards read no page: no load without dK/dV (the last layer's
+            # attention does not run in stage 1: nothing kept)
+            assert not [e for e in window if e[0] == "load" and not e[2] and e[1] in engine.kept.layers]
+            assert tuple(engine.kept.layers) == (0, 1)
+    assert checked >= (2 if keep_attention else 4) * (n_chunks - 3)

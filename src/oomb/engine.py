@@ -265,13 +265,18 @@ class ChunkRecurrentEngine(PagePlacement):
         first_page = c * (self.chunk_size // self.page_size)
         h = a.embed_tokens(ids)  # (B, C, hidden)
         cos, sin = a.rope(h, start, self._seq_len)
+        ahead = None  # the next layer's groups, when known before its projections (dense)
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
-            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend, groups=ahead)
             if store:
                 self.store.write(i, first_page, k, v)
             if not attend:
                 break
+            nxt = i + 1 if i + 1 < a.n_layers - 1 or full and i + 1 < a.n_layers else None  # attends next
+            ahead = None if nxt is None else self._known_groups(c, nxt, first_page)
+            if ahead is not None:
+                groups.then(False, ahead)  # its first group loads while this layer computes
             yield
             if i in self.kept.layers:
                 o, lse = attention_with_lse(q, k, v, groups, a.scale, self.backend, a.sinks(layer))
@@ -287,28 +292,35 @@ class ChunkRecurrentEngine(PagePlacement):
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
 
-        # A sparse layer's pages are one gathered group, which uses one of a host layer's two
-        # staging buffers: the next layer's pages start loading into the other one right away, so
-        # a host layer's transfer hides behind the whole layer before it (forward and backward).
+        # A host layer's first group of pages starts loading while the layer before it (the one
+        # after it, in backward) still computes, into the staging buffer that layer is done with
+        # (_HostGroups.then), so the transfer hides behind that layer's attention and MLP.
         ahead: dict[int, object] = {}  # layer -> its groups, made (and loading) one layer early
 
         def look_ahead(i: int, j: int, with_grad: bool) -> None:
-            if self.checkpoint_layers or not 0 <= j < a.n_layers or self.sparse is None or a.window(i):
+            if self.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
                 return
+            if not with_grad and self.kept.has(c, j):
+                return  # its forward reads no page: its output was kept by stage 1
             if ahead.get(j) is None:
                 ahead[j] = self._known_groups(c, j, first_page)  # None: selected by its own q (the last chunk)
-            if ahead[j] is not None:
+            if ahead[j] is None:
+                return
+            if with_grad or not self.kept.has(c, i):  # layer i reads its pages in this pass
+                ahead[i].then(with_grad, ahead[j])
+            else:
                 ahead[j].prefetch(with_grad)
 
         def layer_step(i, layer, h, cos, sin):
-            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=True,
+            known = self.kept.get(c, i)
+            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=known is None,
                                             groups=ahead.get(i))
             ahead[i] = groups
             look_ahead(i, i + 1, False)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
-            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=self.kept.get(c, i))
+            o = paged_attention(q, k, v, groups, a.scale, self.backend, a.sinks(layer), known=known)
             return a.finish_layer(layer, h, o), groups
 
         self.kept.prefetch(c)  # the first layers' kept attention outputs, when they are on the host

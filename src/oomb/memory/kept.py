@@ -138,6 +138,10 @@ class KeptAttention:
         for i in range(LOOKAHEAD + 1):
             self.load(c, i)
 
+    def has(self, c: int, i: int) -> bool:
+        """Whether layer i of chunk c has a kept output (its stage-2 forward reads no page)."""
+        return (c, i) in self._device or (c, i) in self._slot
+
     def get(self, c: int, i: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(o, lse) of layer i of chunk c on the device, usable on the current stream; None when
         not kept. Stage 2 also starts loading the layer LOOKAHEAD ahead."""

@@ -300,6 +300,7 @@ class _HostGroups:
         self.rows = None  # the kernel's gather rows on the device
         self._host_pages, self._host_rows = host_pages, None
         self._gather = None  # which gather a prefetch was for (this one's: id(self))
+        self._then: dict[bool, object] = {}  # pass (with_grad) -> the groups to load after this one's
         if pages is None:
             self.spans = [(s, min(s + g, n_pages)) for s in range(first, n_pages, g)]
         else:  # one gathered group: staged page j of sequence b is host page pages[b, j] of b
@@ -332,6 +333,15 @@ class _HostGroups:
         the next layer's while this one's are in use."""
         if self.spans and self._key(with_grad) not in self.host._prefetched.values():
             self.host._prefetched[self._begin(with_grad)] = self._key(with_grad)
+
+    def then(self, with_grad: bool, groups) -> None:
+        """Start loading `groups`' first group (the next layer this pass reads) as early as the two
+        staging buffers allow: now when this layer's pages are one group, else once its last group
+        is in use (until then its groups alternate between the buffers)."""
+        if len(self.spans) > 1:
+            self._then[with_grad] = groups
+        else:
+            groups.prefetch(with_grad)
 
     def _key(self, with_grad: bool) -> tuple:
         return self.layer, with_grad, self.spans[0], self._gather
@@ -367,6 +377,9 @@ class _HostGroups:
                 host._prefetched.pop(1 - buf, None)  # a later layer's group loading there is overwritten
                 host._next = buf  # and the group after this layer starts in the other buffer
                 host._load(1 - buf, layer, spans[g + 1], with_grad)
+            elif with_grad in self._then:  # the next layer's first group, into the buffer this layer is done with
+                host._next = 1 - buf
+                self._then.pop(with_grad).prefetch(with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
             k, v, *grads = host.staging[buf]

@@ -48,7 +48,11 @@ class PagedKVStore:
         self.dk = self.dv = None  # gradient pools (None without gradient pages)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
         self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
-        self.host = HostPages(spec, [], self.device, max(group_pages, selected_pages), self.rep_size)
+        # A host layer stages one group at a time: a sparse one its selection (sliding-window
+        # layers, the only dense ones of a sparse model, never go to the host), a dense one
+        # group_pages.
+        self.staged_pages = selected_pages or group_pages
+        self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._rep_row = self._rep_rows()  # full device layer -> row of self.reps
         self._chunk_slots: dict[int, list[int]] = {}
@@ -61,8 +65,7 @@ class PagedKVStore:
         # A step that needs fewer host layers (a shorter one) keeps the arena pinned for the
         # longer ones: pinning costs ~0.5 s per GiB, the unused pinned pages cost nothing on the GPU.
         if not set(host_layers) <= set(self.host.layers):
-            self.host = HostPages(self.spec, host_layers, self.device, max(self.group_pages, self.selected_pages),
-                                  self.rep_size)
+            self.host = HostPages(self.spec, host_layers, self.device, self.staged_pages, self.rep_size)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
         self._rep_row = self._rep_rows()
@@ -235,6 +238,9 @@ class _PoolGroups:
 
     def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
+
+    def then(self, with_grad: bool, groups) -> None:
+        groups.prefetch(with_grad)  # this layer needs no staging buffer: the next one's can load now
 
     def __call__(self, with_grad: bool):
         s, n_pages = self.store, self.table.shape[1]
