@@ -8,7 +8,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import oomb
-from oomb.parallel import all_reduce_gradients, apply_tensor_parallel, global_token_count, init_distributed
+from oomb.parallel import (all_reduce_gradients, apply_tensor_parallel, global_token_count, init_distributed,
+                           local_tensor)
+from oomb.plan import GPU_MARGIN_BYTES, plan
 from tiny_models import VOCAB, make_model, rel_err
 
 TOL = 1e-5
@@ -38,6 +40,8 @@ def _worker(rank, world, port, mode, out):
         ids, labels = ids[rank : rank + 1], labels[rank : rank + 1]
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch",
                                        compile_layers=mode == "tp_compile")
+    engine._free_gpu_bytes = lambda: 2**40  # what 'auto' would see free on a GPU
+    headroom = engine._headroom()  # before the step: every parameter's gradient is still to come
     count = global_token_count(labels, mesh["dp"].get_group())
     result = engine.forward_backward(ids, labels, num_tokens=count)
     loss = result.loss.clone()
@@ -46,7 +50,9 @@ def _worker(rank, world, port, mode, out):
         all_reduce_gradients(model, mesh["dp"].get_group())
     grads = {n: _full(p.grad).detach().clone() for n, p in model.named_parameters() if p.grad is not None}
     if rank == 0:
-        torch.save({"loss": loss, "grads": grads, "kv_heads": engine.spec.n_kv_heads}, out)
+        local_params = sum(local_tensor(p).numel() for p in model.parameters())
+        torch.save({"loss": loss, "grads": grads, "kv_heads": engine.spec.n_kv_heads, "local_params": local_params,
+                    "headroom": headroom}, out)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -79,6 +85,11 @@ def test_two_processes_equal_one(mode, tmp_path):
     got = torch.load(out)
     if mode.startswith("tp"):
         assert got["kv_heads"] == 1  # each rank keeps the pages of its own KV head only
+    if mode in ("tp", "tp_compile"):  # `oomb plan --tp 2` counts the rank's weights exactly
+        local = plan(model.config, 32, chunk_size=32, page_size=16, dtype=torch.float32, tp=2)
+        assert local.weights == 4 * got["local_params"]
+        # 'auto' leaves room for the rank's own gradients and working set, not the whole model's
+        assert got["headroom"] == 2**40 - local.working_set - local.grads - GPU_MARGIN_BYTES
     assert rel_err(got["loss"], ref.loss) <= TOL
     for n, g in ref_grads.items():
         assert rel_err(got["grads"][n], g) <= TOL, n

@@ -120,7 +120,8 @@ def test_plan_placement_and_longest_context(capsys):
     assert none.gpu == fixed + p.pages and none.host == 0 and not none.fits  # 112 GiB of pages + 56 GiB
     every = place(p, "all", 140 * gib, 120 * gib)
     assert p.page_bytes == 4 * 128 * 128 * 2 * (2 + 2)  # K, V, dK, dV bf16
-    assert every.host == p.pages and every.gpu == fixed + 2 * 256 * p.page_bytes and every.fits
+    assert p.staged_pages == 128  # the engine's group_pages: two staging buffers of a group each
+    assert every.host == p.pages and every.gpu == fixed + 2 * 128 * p.page_bytes and every.fits
     auto = place(p, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer
@@ -153,6 +154,34 @@ def test_plan_placement_and_longest_context(capsys):
           "--host-memory", "110GiB"])
     out = capsys.readouterr().out
     assert f"longest context that fits with offload all: {n:,} tokens" in out and "does NOT fit" in out
+
+
+def test_plan_per_rank_under_tensor_parallelism(capsys):
+    """`oomb plan --tp N` is one rank's plan: 1/N of every layer's projections (q, k, v, o and the
+    MLP's, biases included), KV pages, kept outputs and LoRA's split factors; embeddings and head
+    whole. A degree that does not divide the heads, or a mixture of experts, is refused."""
+    from oomb.cli import lora_params
+    from oomb.plan import count_params, plan
+    from oomb.presets import preset_config
+    cfg = preset_config("qwen2.5-7b")
+    total, split = count_params(cfg, split=True)
+    h, kv, inter = 3584, 512, 18944
+    assert split == 28 * ((h * h + h) + 2 * (h * kv + kv) + h * h + 3 * h * inter)
+    one = plan(cfg, 2**20, optimizer_bytes_per_param=0, keep_attention=True)
+    four = plan(cfg, 2**20, optimizer_bytes_per_param=0, keep_attention=True, tp=4)
+    assert one.weights == 2 * total and four.weights == four.grads == 2 * (total - split + split // 4)
+    assert four.kv_pages == one.kv_pages // 4 and four.grad_pages == one.grad_pages // 4
+    assert four.kept_attention == one.kept_attention // 4 and four.page_bytes == one.page_bytes // 4
+    assert four.chunk_activations < one.chunk_activations and four.logits_slice == one.logits_slice
+    # column-parallel q/k/v split their B (out x r), row-parallel o its A (r x in)
+    assert lora_params(cfg, 16, tp=4) == 28 * 16 * (4 * h + (2 * h + 2 * kv) // 4)
+    with pytest.raises(ValueError, match="tp=3 must be a degree that divides num_attention_heads=28 and "
+                                         "num_key_value_heads=4"):
+        plan(cfg, 2**16, tp=3)
+    with pytest.raises(ValueError, match="tp=2: tensor parallelism splits dense MLPs only"):
+        plan(preset_config("gpt-oss-20b"), 2**16, tp=2)
+    main(["plan", "--seq-len", "1M", "--tp", "4", "--sparse-budget", "64", "--optimizer", "none"])
+    assert "per GPU of TP=4 x DP=1" in capsys.readouterr().out
 
 
 def test_plan_counts_what_the_engine_allocates_for_gpt_oss():

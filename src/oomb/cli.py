@@ -57,7 +57,7 @@ def cmd_plan(args) -> None:
 
     config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
-    trainable = lora_params(config, args.lora_rank) if args.lora_rank else None
+    trainable = lora_params(config, args.lora_rank, args.tp) if args.lora_rank else None
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
 
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
@@ -67,7 +67,7 @@ def cmd_plan(args) -> None:
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
                     checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp,
                     param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
-                    keep_attention=args.keep_attention)
+                    keep_attention=args.keep_attention, tp=args.tp, group_pages=args.group_pages)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -78,8 +78,9 @@ def cmd_plan(args) -> None:
             print(json.dumps({**p.as_dict(), "placement": vars(placement(seq_len))}))
             continue
         grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
+        ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {args.chunk_size}, page {args.page_size}, "
-              f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}")
+              f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}{ranks}")
         print(p.table())
         print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
               f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections"
@@ -92,13 +93,15 @@ def cmd_plan(args) -> None:
               f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)})")
 
 
-def lora_params(config, rank: int) -> int:
-    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o)."""
+def lora_params(config, rank: int, tp: int = 1) -> int:
+    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o), on one
+    rank of tensor-parallel degree `tp`: a column-parallel projection's B is split with it, a
+    row-parallel one's A (oomb.parallel); the other factor is whole on every rank."""
     from .plan import head_dim_of
 
     hidden, head_dim = config.hidden_size, head_dim_of(config)
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = rank * ((hidden + q) + 2 * (hidden + kv) + (q + hidden))
+    per_layer = rank * (4 * hidden + (2 * q + 2 * kv) // tp)  # A of q/k/v and B of o whole
     return config.num_hidden_layers * per_layer
 
 
@@ -152,6 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--batch", type=int, default=1)
     p_plan.add_argument("--chunk-size", type=int, default=4096)
     p_plan.add_argument("--page-size", type=int, default=128)
+    p_plan.add_argument("--group-pages", type=int, default=128,
+                        help="pages per attention call: a dense host layer stages this many at a time")
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
@@ -167,6 +172,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--param-grad-dtype", choices=["float32", "param"], default="float32",
                         help="what the parameters' chunk gradients are summed in (the trainer's default: float32; "
                              "param: the weights' bf16, as the engine's default)")
+    p_plan.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks sharing each layer's heads, KV pages and MLP: per-GPU plan")
     p_plan.add_argument("--dp", type=int, default=1,
                         help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")

@@ -16,6 +16,7 @@ import torch
 
 from .memory.kept import KeptAttention
 from .memory.offload import available_host_bytes
+from .parallel import local_tensor
 from .plan import GPU_MARGIN_BYTES, human_bytes, kept_attention_bytes, plan
 
 HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
@@ -121,14 +122,15 @@ class PagePlacement:
         allocated yet, `reserved_gpu_bytes`) and a margin."""
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
-        working_set = plan(self.adapter.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
+        a = self.adapter
+        working_set = plan(a.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
-                           checkpoint_layers=self.checkpoint_layers,
-                           n_params=sum(p.numel() for p in self.model.parameters())).working_set
+                           checkpoint_layers=self.checkpoint_layers, tp=a.n_kv_heads // a.local_kv_heads,
+                           n_params=sum(local_tensor(p).numel() for p in self.model.parameters())).working_set
         summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
-        grads = sum(p.numel() * p.element_size() for p in self.model.parameters()
+        grads = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters()
                     if p.requires_grad and p.grad is None and p not in summed)
-        grads += sum(p.numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
+        grads += sum(local_tensor(p).numel() * torch.finfo(self.param_grad_dtype).bits // 8 for p in summed)
         later = grads + self.reserved_gpu_bytes
         return self._free_gpu_bytes() + reusable - working_set - later - GPU_MARGIN_BYTES
 

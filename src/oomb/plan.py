@@ -35,6 +35,7 @@ class MemoryPlan:
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
     kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (GPU or host: place())
     kept_layers: int = 0  # the layers they are of (every layer but the last); they are placed a layer at a time
+    staged_pages: int = 128  # pages of one staging buffer (two, with host layers): a dense group, a sparse selection
 
     @property
     def working_set(self) -> int:
@@ -77,7 +78,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
          trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
          optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None,
-         keep_attention: bool = False) -> MemoryPlan:
+         keep_attention: bool = False, tp: int = 1, group_pages: int = 128) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
@@ -88,13 +89,27 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
     param_grad_dtype: the dtype the engine sums parameter gradients in (None: the weights').
     keep_attention: stage 1 keeps every layer's attention output and LSE but the last's, per stored chunk.
+    tp: tensor-parallel degree: the plan is one rank's, which holds 1/tp of every layer's attention
+    heads, KV heads (and their pages) and MLP columns, and the embeddings, head and norms whole
+    (oomb.parallel.apply_tensor_parallel). n_params and trainable_params are then this rank's.
+    group_pages: the engine's pages per attention call, which a dense host layer stages at a time.
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = head_dim_of(config)
     item = torch.empty((), dtype=dtype).element_size()
-    n_params = count_params(config) if n_params is None else n_params
+    experts = getattr(config, "num_experts_per_tok", 0)
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or heads % tp or kv_heads % tp:
+        raise ValueError(f"tp={tp!r} must be a degree that divides num_attention_heads={heads} and "
+                         f"num_key_value_heads={kv_heads}")
+    if tp > 1 and experts:
+        raise ValueError(f"tp={tp}: tensor parallelism splits dense MLPs only (this model routes each token to "
+                         f"{experts} experts); use data parallelism")
+    if n_params is None:
+        total, split = count_params(config, split=True)
+        n_params = total - split + split // tp  # this rank's
+    heads, kv_heads, inter = heads // tp, kv_heads // tp, inter // tp  # this rank's share of every layer
     trainable = n_params if trainable_params is None else trainable_params
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = 2 * item  # exp_avg and exp_avg_sq, each like its parameter
@@ -110,7 +125,6 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     tokens = batch * min(chunk_size, seq_len)
     # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,
     # MLP gate/up/act inputs (bf16), plus the fp32 RMSNorm intermediates.
-    experts = getattr(config, "num_experts_per_tok", 0)
     if experts:  # each routed copy of a token saves its expert's gate_up (2), clamped gate and up,
         # sigmoid, glu, up + 1, gated output (inter each) and output (hidden): GPT-OSS's experts
         mlp = experts * (7 * inter + hidden)
@@ -136,6 +150,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
+        staged_pages=sparse.chunk_budget if sparse is not None else group_pages,
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
@@ -172,13 +187,19 @@ def _window(config, layer: int) -> int:
     return config.sliding_window if types and types[layer] == "sliding_attention" else 0
 
 
-def count_params(config) -> int:
-    """Parameters of the model a transformers config describes (built on the meta device)."""
-    return _count_params_json(config.to_json_string())
+#: the projections tensor parallelism splits (oomb.parallel.apply_tensor_parallel)
+TP_SPLIT = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def count_params(config, split: bool = False):
+    """Parameters of the model a transformers config describes (built on the meta device); with
+    `split`, (all, those of the projections tensor parallelism splits)."""
+    total, tp_split = _count_params_json(config.to_json_string())
+    return (total, tp_split) if split else total
 
 
 @lru_cache(maxsize=16)
-def _count_params_json(config_json: str) -> int:
+def _count_params_json(config_json: str) -> tuple[int, int]:
     import json
 
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -187,7 +208,9 @@ def _count_params_json(config_json: str) -> int:
     config = AutoConfig.for_model(data.pop("model_type"), **data)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
+    params = dict(model.named_parameters())
+    split = sum(p.numel() for name, p in params.items() if name.split(".")[-2] in TP_SPLIT)
+    return sum(p.numel() for p in params.values()), split
 
 
 def head_dim_of(config) -> int:
@@ -219,16 +242,15 @@ class Placement:
 GPU_MARGIN_BYTES = 2 * 2**30
 
 
-def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int,
-          staging_pages: int = 256) -> Placement:
+def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int) -> Placement:
     """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
-    'all' all on the host (the GPU keeps two staging groups), 'auto' whole layers on the GPU
+    'all' all on the host (the GPU keeps two staging buffers), 'auto' whole layers on the GPU
     while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU. Kept
     attention outputs: as many layers' as fit beside the pages on the GPU, the others on the host."""
     fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
     n_layers = p.full_layers
     layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
-    staging = 2 * staging_pages * p.batch * p.page_bytes
+    staging = 2 * p.staged_pages * p.batch * p.page_bytes
     if offload == "none":
         on_gpu = n_layers
     elif offload == "all":
