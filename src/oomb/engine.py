@@ -273,8 +273,8 @@ class ChunkRecurrentEngine(PagePlacement):
                 self.store.write(i, first_page, k, v)
             if not attend:
                 break
-            nxt = i + 1 if i + 1 < a.n_layers - 1 or full and i + 1 < a.n_layers else None  # attends next
-            ahead = None if nxt is None else self._known_groups(c, nxt, first_page)
+            next_attends = i + 1 < a.n_layers - 1 or (full and i + 1 < a.n_layers)
+            ahead = self._known_groups(c, i + 1, first_page) if next_attends else None
             if ahead is not None:
                 groups.then(False, ahead)  # its first group loads while this layer computes
             yield

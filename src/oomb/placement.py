@@ -120,9 +120,9 @@ class PagePlacement:
         """Device bytes free for pages (and kept attention) now: free memory and this engine's own
         pool, less one chunk's working set, what is still to come (parameter gradients not
         allocated yet, `reserved_gpu_bytes`) and a margin."""
-        reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
-        trainable = None if self.adapter.embed_tokens.weight.requires_grad else 0
         a = self.adapter
+        reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
+        trainable = None if a.embed_tokens.weight.requires_grad else 0
         working_set = plan(a.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
                            checkpoint_layers=self.checkpoint_layers, tp=a.n_kv_heads // a.local_kv_heads,
