@@ -67,7 +67,8 @@ def cmd_plan(args) -> None:
                     kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
                     checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp,
                     param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
-                    keep_attention=args.keep_attention, tp=args.tp, group_pages=args.group_pages)
+                    keep_attention=args.keep_attention, tp=args.tp, group_pages=args.group_pages,
+                    compiled=args.compile)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
     p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
+    p_plan.add_argument("--compile", action="store_true",
+                        help="the layers run compiled (train's --compile), which keeps fewer activations")
     p_plan.add_argument("--keep-attention", action="store_true",
                         help="stage 1 keeps the attention outputs for stage 2 (as many layers' as fit beside the "
                              "pages on the GPU, the others in pinned host memory)")

@@ -97,6 +97,7 @@ class ChunkRecurrentEngine(PagePlacement):
         # (about +25 % compute) for one layer's activations: the minimum-memory setting.
         self.checkpoint_layers = bool(checkpoint_layers)
         self.adapter = adapter_for(model)
+        self.compile_layers = bool(compile_layers)  # the plan's activation estimate depends on it
         if compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
             self.adapter.compile()
         self.chunk_size = chunk_size

@@ -125,7 +125,8 @@ class PagePlacement:
         trainable = None if a.embed_tokens.weight.requires_grad else 0
         working_set = plan(a.config, self.chunk_size, chunk_size=self.chunk_size, page_size=self.page_size,
                            dtype=self.spec.dtype, trainable_params=trainable,
-                           checkpoint_layers=self.checkpoint_layers, tp=a.n_kv_heads // a.local_kv_heads,
+                           checkpoint_layers=self.checkpoint_layers, compiled=self.compile_layers,
+                           tp=a.n_kv_heads // a.local_kv_heads,
                            n_params=sum(local_tensor(p).numel() for p in self.model.parameters())).working_set
         summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
         grads = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters()

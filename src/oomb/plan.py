@@ -78,7 +78,8 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
          trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
          optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None,
-         keep_attention: bool = False, tp: int = 1, group_pages: int = 128) -> MemoryPlan:
+         keep_attention: bool = False, tp: int = 1, group_pages: int = 128,
+         compiled: bool = False) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
@@ -93,6 +94,8 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     heads, KV heads (and their pages) and MLP columns, and the embeddings, head and norms whole
     (oomb.parallel.apply_tensor_parallel). n_params and trainable_params are then this rank's.
     group_pages: the engine's pages per attention call, which a dense host layer stages at a time.
+    compiled: the decoder layers run under torch.compile (compile_layers), which saves less for
+    backward (dense MLPs; a mixture of experts is counted as eager, not having been measured).
     """
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
@@ -130,7 +133,13 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         mlp = experts * (7 * inter + hidden)
     else:
         mlp = 4 * inter
-    per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + 4 * 2 * hidden
+    norms = 4 * 2 * hidden  # fp32
+    if compiled and not experts:
+        # Compiled, the SwiGLU saves its gate and up (its product is recomputed) and the RMSNorms
+        # no fp32 intermediates: measured on the H200, 172 KiB a token and layer at the 7B shape
+        # against this 171 KiB (the eager formula's 236; docs/benchmarks.md, session 20).
+        mlp, norms = 3 * inter, 0
+    per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + norms
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
         weights=n_params * item,
