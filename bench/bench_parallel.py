@@ -46,7 +46,7 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--group-pages", type=int, default=128, help="earlier pages per attention call")
+    ap.add_argument("--group-pages", type=int, default=1024, help="earlier pages per attention call")
     ap.add_argument("--offload", default="auto", choices=["none", "all", "auto"])
     ap.add_argument("--kv-grad-dtype", choices=sorted(GRAD_DTYPES), default="fp32")
     ap.add_argument("--keep-attention", choices=sorted(KEEP), default="no",

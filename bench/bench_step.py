@@ -71,7 +71,7 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
             compile_layers: bool = False, param_grad_dtype: str = "param", keep_attention: str = "no",
-            page_budget_gib: float | None = None, kept_host_gib: float | None = None, group_pages: int = 128):
+            page_budget_gib: float | None = None, kept_host_gib: float | None = None, group_pages: int = 1024):
     """(step, reserve): step(ids) runs one step and returns the loss; reserve(tokens) makes
     oomb's page pool and pinned host arena ready for that length, as a training run does once
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
@@ -134,7 +134,7 @@ def worker(args) -> None:
     vocab = model.config.vocab_size
     # Warm-up: kernels compiled, grads allocated. Six chunks, so that the last reads 5 chunks of
     # earlier pages (160 at 4096 tokens): more than top-k's budget (64) and than one dense group of
-    # pages (128 by default, or --group-pages: the kernels' second group runs without the chunk's
+    # pages (--group-pages, 1024 by default: the kernels' second group runs without the chunk's
     # own keys, a variant of its own); at most the first length (a longer one after it may still
     # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
     warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
@@ -232,7 +232,7 @@ def main() -> None:
                     help="oomb: sum parameter gradients over chunks in the weights' dtype or in fp32")
     ap.add_argument("--page-budget-gib", type=float, default=None,
                     help="oomb 'auto': GPU bytes for pages (default: what is free); fewer puts more layers on the host")
-    ap.add_argument("--group-pages", type=int, default=128,
+    ap.add_argument("--group-pages", type=int, default=1024,
                     help="oomb: pages per attention call (and per host transfer): ChunkRecurrentEngine(group_pages=)")
     ap.add_argument("--profile", default="", help="a directory: profile the last length's step into it")
     ap.add_argument("--profile-passes", default="", metavar="FIRST:COUNT",

@@ -120,8 +120,8 @@ def test_plan_placement_and_longest_context(capsys):
     assert none.gpu == fixed + p.pages and none.host == 0 and not none.fits  # 112 GiB of pages + 56 GiB
     every = place(p, "all", 140 * gib, 120 * gib)
     assert p.page_bytes == 4 * 128 * 128 * 2 * (2 + 2)  # K, V, dK, dV bf16
-    assert p.staged_pages == 128  # the engine's group_pages: two staging buffers of a group each
-    assert every.host == p.pages and every.gpu == fixed + 2 * 128 * p.page_bytes and every.fits
+    assert p.staged_pages == 1024  # the engine's group_pages: two staging buffers of a group each
+    assert every.host == p.pages and every.gpu == fixed + 2 * 1024 * p.page_bytes and every.fits
     auto = place(p, "auto", 140 * gib, 110 * gib)
     layer = p.pages // 28
     assert auto.host % layer == 0 and 0 < auto.host < p.pages and auto.gpu <= 140 * gib < auto.gpu + layer

@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--batch", type=int, default=1)
     p_plan.add_argument("--chunk-size", type=int, default=4096)
     p_plan.add_argument("--page-size", type=int, default=128)
-    p_plan.add_argument("--group-pages", type=int, default=128,
+    p_plan.add_argument("--group-pages", type=int, default=1024,
                         help="pages per attention call: a dense host layer stages this many at a time")
     p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")

@@ -46,15 +46,17 @@ class ChunkRecurrentEngine(PagePlacement):
     The engine only computes gradients (accumulated into each parameter's .grad, exactly as
     `loss.backward()` would); the optimizer and the data belong to the caller.
 
-    group_pages: a layer's earlier pages are attended this many at a time, and a host layer's
-    staged this many at a time; every offload mode groups alike, so their gradients are bitwise
-    equal. With every page on the GPU, fewer, larger calls are faster for dense attention
-    (1024: -1.5 % at 64K, -3 % at 128K tokens on an H200; docs/benchmarks.md, session 18).
+    group_pages: a layer's earlier pages are attended this many at a time, and a dense host
+    layer's staged this many at a time (two buffers: 1.5 GiB at the 7B shape with fp32 dK/dV);
+    every offload mode groups alike, so their gradients are bitwise equal. Fewer, larger calls
+    are faster for dense attention: 1024 against 128, -1.5 % at 64K and -3 % at 128K tokens on
+    an H200, and with every page on the host ('all') within 0.2 % of 'none' since a host
+    layer's first group loads during the layer before it (docs/benchmarks.md, sessions 18, 20).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
                  backend: str = "auto", offload: str = "none", sparse=None,
-                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 128,
+                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 1024,
                  gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
                  reserved_gpu_bytes: int = 0, compile_layers: bool = False,
                  param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False,

@@ -78,7 +78,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
          trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
          checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
          optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None,
-         keep_attention: bool = False, tp: int = 1, group_pages: int = 128,
+         keep_attention: bool = False, tp: int = 1, group_pages: int = 1024,
          compiled: bool = False) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
 

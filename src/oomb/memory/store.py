@@ -27,7 +27,7 @@ from .spec import LayerPages, PageSpec
 
 
 class PagedKVStore:
-    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 128,
+    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 1024,
                  representative: str | None = None, tail_pages: dict[int, int] | None = None,
                  chunk_pages: int = 0, selected_pages: int = 0) -> None:
         self.spec = spec
