@@ -82,13 +82,18 @@ def test_host_memory_is_checked_before_the_step(monkeypatch):
     import oomb.placement
     monkeypatch.setattr(oomb.placement, "available_host_bytes", lambda: 4 * 2**20)
     model = make_model("qwen2", layers=2)
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all")
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", group_pages=128)
     # 2 layers x 4 KiB a page (K, V, dK, dV fp32: 1 KV head x 16 tokens x 16 dims) / 16 tokens
     # = 512 B per token: 4 MiB fit about 8,192 tokens; 16K tokens need 8 MiB of pages + 1 MiB of staging.
     with pytest.raises(ValueError, match=r"needs 9.0 MiB more host memory for its pages \(512 B per token of "
                                          r"context\), but only 4.0 MiB is available: about 8,192 tokens would fit"):
         engine.forward_backward(torch.randint(0, 97, (1, 16384)))
     engine.forward_backward(torch.randint(0, 97, (1, 1024)))  # 0.25 MiB of pages + staging: fine
+    # A staging buffer holds a group, or a layer's pages when fewer: 62 of 1,024 tokens (the last
+    # chunk is not stored), not the default group's 1,024
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all")
+    engine.forward_backward(torch.randint(0, 97, (1, 1024)))
+    assert [x.shape[0] for x in engine.store.host.staging[0]] == [62] * 4
 
 
 def test_auto_budget_counts_what_is_still_to_come(monkeypatch):

@@ -35,7 +35,8 @@ class MemoryPlan:
     selections: int = 0  # sparse: each chunk's kept page choices, every full layer (on the GPU)
     kept_attention: int = 0  # keep_attention: stage 1's attention outputs and LSEs (GPU or host: place())
     kept_layers: int = 0  # the layers they are of (every layer but the last); they are placed a layer at a time
-    staged_pages: int = 128  # pages of one staging buffer (two, with host layers): a dense group, a sparse selection
+    staged_pages: int = 1024  # pages of a staging buffer (two, with host layers): a dense group, a sparse selection
+    # (a layer's pages, when fewer)
 
     @property
     def working_set(self) -> int:
@@ -159,7 +160,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
-        staged_pages=sparse.chunk_budget if sparse is not None else group_pages,
+        staged_pages=max(1, min(sparse.chunk_budget if sparse is not None else group_pages, stored_pages)),
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 

@@ -7,7 +7,7 @@ and a group's pages are each one contiguous range:
     dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
     reps    (max_pages, B, Hkv, R, D)  model dtype, sparse attention's page representatives
 (dK/dV only with gradient pages; reps only with sparse attention: always the last of a layer's)
-GPU staging, two buffers (double buffering) of `group_pages` pages:
+GPU staging, two buffers (double buffering) of `group_pages` pages (a layer's pages, when fewer):
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
 
 Ordering is by CUDA events on two copy streams (host->GPU and GPU->host, so both directions
@@ -91,10 +91,15 @@ class HostPages:
     def host_bytes(self, batch: int, max_pages: int) -> int:
         return len(self.layers) * batch * max_pages * (self.spec.page_bytes + self.rep_bytes)
 
-    def staging_bytes(self, batch: int, max_pages: int = 0) -> int:
+    def staged_slots(self, max_pages: int) -> int:
+        """Pages a staging buffer holds: a group, or all of a layer's pages when fewer."""
+        return max(1, min(self.group_pages, max_pages))
+
+    def staging_bytes(self, batch: int, max_pages: int) -> int:
         if not self.layers:
             return 0
-        return 2 * self.group_pages * batch * self.spec.page_bytes + batch * max_pages * self.rep_bytes
+        return (2 * self.staged_slots(max_pages) * batch * self.spec.page_bytes
+                + batch * max_pages * self.rep_bytes)
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         if not self.layers:
@@ -114,11 +119,11 @@ class HostPages:
                 for layer in self.layers:
                     self.arena[layer].append(empty_pinned(reps, s.dtype, pin))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
-            slots = (self.group_pages * batch, s.n_kv_heads, s.page_size, s.head_dim)
+            n = self.staged_slots(max_pages)
+            slots = (n * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
             # staged page j of sequence b sits in slot j*B + b
-            self.table = torch.arange(self.group_pages * batch, dtype=torch.int32,
-                                      device=self.device).view(self.group_pages, batch).t()  # (B, group_pages)
+            self.table = torch.arange(n * batch, dtype=torch.int32, device=self.device).view(n, batch).t()  # (B, n)
             self.batch, self.max_pages = batch, max_pages
 
     # -- stage 1: store a chunk -------------------------------------------------------------
