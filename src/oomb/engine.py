@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.sparse import Selection, TopKPages, select_pages
-from .loss import IGNORE_INDEX, head_loss, shifted_targets, slice_tokens
+from .loss import IGNORE_INDEX, ce_and_grad, head_loss, shifted_targets, slice_tokens
 from .memory.kept import KeptAttention
 from .memory.spec import PageSpec
 from .memory.store import PagedKVStore
@@ -100,8 +100,11 @@ class ChunkRecurrentEngine(PagePlacement):
         self.checkpoint_layers = bool(checkpoint_layers)
         self.adapter = adapter_for(model)
         self.compile_layers = bool(compile_layers)  # the plan's activation estimate depends on it
+        self._fused_ce = None  # the LM head's cross entropy and its gradient, fused (loss.ce_and_grad)
         if compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
             self.adapter.compile()
+            if self.adapter.local_kv_heads == self.adapter.n_kv_heads:  # not under TP: plain tensors
+                self._fused_ce = torch.compile(ce_and_grad, dynamic=False)
         self.chunk_size = chunk_size
         self.page_size = page_size
         self.offload = offload
@@ -343,7 +346,7 @@ class ChunkRecurrentEngine(PagePlacement):
                 # after it did not already, and the next layer's.
                 h.register_hook(functools.partial(self._backward_starts, groups, look_ahead, i))
             step = slice_tokens(a.vocab_size, ids.shape[0])
-            ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator)
+            ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator, self._fused_ce)
             h.backward(grad_h)
         return ce_sum
 

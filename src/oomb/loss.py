@@ -29,8 +29,27 @@ def shifted_targets(labels: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return F.pad(t, (0, missing), value=IGNORE_INDEX) if missing else t
 
 
+def ce_and_grad(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum of cross entropy over (N, V) logits (computed in fp32) and targets (N,) with
+    IGNORE_INDEX, and the gradient of scale * that sum w.r.t. the logits, in their dtype:
+    (softmax - one-hot) * scale on the counted rows. scale: a 0-dim tensor (a Python float
+    would make torch.compile specialise on each value). Written as one function for
+    torch.compile (compile_layers), which fuses it into a few passes over the logits where
+    F.cross_entropy with autograd makes an fp32 copy, a softmax forward and a softmax
+    backward: ~130 ms of a 64K-token 7B step on an H200 (docs/benchmarks.md, session 20)."""
+    x = logits.float()
+    valid = targets != IGNORE_INDEX
+    safe = torch.where(valid, targets, 0)
+    lse = torch.logsumexp(x, dim=-1)
+    picked = x.gather(1, safe[:, None]).squeeze(1)
+    ce = torch.where(valid, lse - picked, 0.0).sum()
+    hot = torch.arange(x.shape[1], device=x.device)[None, :] == safe[:, None]
+    weight = torch.where(valid, scale, 0.0)[:, None]
+    return ce, ((torch.exp(x - lse[:, None]) - hot.float()) * weight).to(logits.dtype)
+
+
 def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor, step: int,
-              denominator: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+              denominator: int | None = None, fused_ce=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Sum of cross entropy over a chunk's targets, `step` tokens per sequence at a time.
 
     h: (B, C, hidden) final hidden states of the chunk, before the final norm, outside any
@@ -39,7 +58,9 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
     of logits ever exists) and dL/dh (B, C, hidden) is returned beside the sum. A trainable head
     (a plain nn.Linear) gets its weight gradient from one GEMM over the chunk, from each slice's
     logit gradient kept in the weight's dtype (B x C x vocab of it): per slice, a (vocab, hidden)
-    gradient would be written and added into .grad once a slice.
+    gradient would be written and added into .grad once a slice. fused_ce: ce_and_grad (or its
+    compiled form) for such a head's loss and logit gradient, instead of autograd through
+    F.cross_entropy.
     Returns (sum of CE as a detached fp32 scalar, dL/dh or None).
     """
     backward = denominator is not None
@@ -47,6 +68,9 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
     weight = head_weight(lm_head) if backward else None
     kept = None  # (dlogits, normed inputs) of every slice, for the head's weight gradient
     total = torch.zeros((), dtype=torch.float32, device=h.device)
+    fused = fused_ce is not None and weight is not None
+    if fused:
+        scale = torch.full((), 1.0 / denominator, dtype=torch.float32, device=h.device)
     for s in range(0, h.shape[1], step):
         with torch.set_grad_enabled(backward):
             x = h[:, s : s + step].detach().requires_grad_(backward)
@@ -54,12 +78,17 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
             if weight is None:
                 out = lm_head(xn)
             else:
-                out = F.linear(xn.detach(), weight.detach()).requires_grad_()
-            logits = out.float()  # (B, S, V) fp32, as transformers' loss upcasts
-            ce = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + step].flatten(),
-                                 ignore_index=IGNORE_INDEX, reduction="sum")
+                out = F.linear(xn.detach(), weight.detach()).requires_grad_(not fused)
+            if fused:
+                ce, dlogits = fused_ce(out.flatten(0, 1), targets[:, s : s + step].flatten(), scale)
+                dlogits = dlogits.view(out.shape)
+            else:
+                logits = out.float()  # (B, S, V) fp32, as transformers' loss upcasts
+                ce = F.cross_entropy(logits.flatten(0, 1), targets[:, s : s + step].flatten(),
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
         if weight is not None:
-            (dlogits,) = torch.autograd.grad(ce / denominator, out)  # what the linear's backward receives
+            if not fused:
+                (dlogits,) = torch.autograd.grad(ce / denominator, out)  # what the linear's backward receives
             if kept is None:
                 kept = (torch.empty((*h.shape[:2], weight.shape[0]), dtype=dlogits.dtype, device=h.device),
                         torch.empty((*h.shape[:2], weight.shape[1]), dtype=xn.dtype, device=h.device))
