@@ -47,7 +47,7 @@ class ChunkRecurrentEngine(PagePlacement):
     `loss.backward()` would); the optimizer and the data belong to the caller.
 
     group_pages: a layer's earlier pages are attended this many at a time, and a dense host
-    layer's staged this many at a time (two buffers: 1.5 GiB at the 7B shape with fp32 dK/dV);
+    layer's staged this many at a time (two buffers: up to 1.5 GiB at the 7B shape, fp32 dK/dV);
     every offload mode groups alike, so their gradients are bitwise equal. Fewer, larger calls
     are faster for dense attention: 1024 against 128, -1.5 % at 64K and -3 % at 128K tokens on
     an H200, and with every page on the host ('all') within 0.2 % of 'none' since a host
