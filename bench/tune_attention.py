@@ -1,9 +1,10 @@
-"""Sweep the paged kernels' tile configurations at the benchmark shape (4,096 queries, 28/4
+"""Sweep the paged kernels' tile configurations at the benchmark shape (4,096 queries or --queries, 28/4
 heads, head_dim 128, bf16, 64K earlier keys) and print them fastest first, each checked against
 the current configuration's output. Feeds `_fwd_config` / `_bwd_config` in attention/paged.py.
 
     python bench/tune_attention.py --keys 65536 --out $OUT/tune.jsonl
     python bench/tune_attention.py --kinds fwd --sparse 64 --keys 1048576   # the sparse 1M shape
+    python bench/tune_attention.py --kinds fwd --queries 16384 --keys 49152  # a dense step's chunk 16384
 
 Each row records whether the forward's and the dQ kernel's page tiles went through tensor
 descriptors (`tma`: OOMB_TMA, `dq_tma`: OOMB_DQ_TMA, both on by default on Hopper), which changes
@@ -39,6 +40,7 @@ DQ = [dict(BLOCK_M2=m, BLOCK_N2=n, warps2=w, stages2=s)
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--keys", type=int, default=65536)
+    ap.add_argument("--queries", type=int, default=4096, help="chunk length C (the dense step runs 8192-16384)")
     ap.add_argument("--kinds", default="fwd,dkdv,dq", help="which kernels' configurations to sweep")
     ap.add_argument("--sparse", type=int, default=0, metavar="BUDGET",
                     help="on bench_attention.py's engine-like top-k selection of this budget (0: dense)")
@@ -48,7 +50,7 @@ def main() -> None:
         sys.exit("tune_attention.py needs a CUDA GPU")
     info, rows = run_info(), []
     default_fwd, default_bwd = paged._fwd_config, paged._bwd_config
-    run = lambda: bench_paged(args.keys, 4096, outputs=True, sparse=args.sparse)  # noqa: E731
+    run = lambda: bench_paged(args.keys, args.queries, outputs=True, sparse=args.sparse)  # noqa: E731
     reference = run()["outputs"]  # the current configuration's
     kinds = args.kinds.split(",")
     for kind, configs in (("fwd", FWD), ("dkdv", DKDV), ("dq", DQ)):
@@ -59,8 +61,8 @@ def main() -> None:
                 paged._fwd_config = lambda q, d, cfg=cfg: cfg
             else:
                 paged._bwd_config = lambda q, d, cfg=cfg: {**default_bwd(q, d), **cfg}
-            row = {"kind": kind, "N": args.keys, "sparse_budget": args.sparse, "tma": paged.TMA, "dq_tma": paged.DQ_TMA,
-                   **cfg}
+            row = {"kind": kind, "N": args.keys, "C": args.queries, "sparse_budget": args.sparse, "tma": paged.TMA,
+                   "dq_tma": paged.DQ_TMA, **cfg}
             try:
                 r = run()
                 ms = r["fwd_ms" if kind == "fwd" else "bwd_ms"]
