@@ -62,20 +62,22 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_
         qT = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[None, :] * stride_qm + offs_d[:, None] * stride_qd,
                      mask=mask_m[None, :] & mask_d[:, None], other=0.0)  # (HEAD_DIM, BLOCK_M)
     lse = tl.load(LSE + row + offs_m, mask=mask_m, other=float("inf"))
-    qkT = tl.dot(k, qT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
-    pT = tl.math.exp2(qkT - lse[None, :])
-    if MASK:  # diagonal tiles only: key j visible to query i iff j <= i
-        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
-    if WINDOWED:  # sliding window: key at kpos (relative to the chunk) visible iff kpos > i - window
-        pT = tl.where(kpos[:, None] > offs_m[None, :] - window, pT, 0.0)
     if TMA:
         do = DO.load(coords).reshape(BLOCK_M, HEAD_DIM)
     else:
         do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_dom
                      + offs_d[None, :] * stride_dod, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+    # dP^T before P^T's exp2 (which dV's product needs): the tensor cores compute it while the
+    # exp2s run (in the other order ptxas issues the exp2s between two waits for the tensor cores).
+    qkT = tl.dot(k, qT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M), log2 units
+    dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
+    pT = tl.math.exp2(qkT - lse[None, :])
+    if MASK:  # diagonal tiles only: key j visible to query i iff j <= i
+        pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
+    if WINDOWED:  # sliding window: key at kpos (relative to the chunk) visible iff kpos > i - window
+        pT = tl.where(kpos[:, None] > offs_m[None, :] - window, pT, 0.0)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
     delta = tl.load(Delta + row + offs_m, mask=mask_m, other=0.0)
-    dpT = tl.dot(v, tl.trans(do), input_precision=IN_PRECISION)  # (BLOCK_N, BLOCK_M)
     dsT = pT * (dpT - delta[None, :])
     dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=IN_PRECISION)
     return dk, dv
