@@ -110,9 +110,8 @@ def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
     # bench/tune_attention.py on an H200 (bf16, D=128, C=4096; bench/results/tune.jsonl, 2026-11-30),
     # page slots from registers (_slot_batch): 3 stages 549.9 TFLOP/s at 64K keys dense, 490.5 at
     # top-k 64 of 1M; 2 stages 442.6 / 437.8 (with slots loaded in the loop, 2 stages had been the
-    # faster: 461.1 vs 448.5 dense). 4 stages are out of shared memory. 64-key tiles were slower
-    # with one softmax state; two (_attn_fwd_pair) need them to stay in the registers.
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    # faster: 461.1 vs 448.5 dense). 4 stages are out of shared memory; 64-key tiles slower.
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
 def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:

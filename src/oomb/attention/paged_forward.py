@@ -106,25 +106,6 @@ def _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, strid
 
 
 @triton.jit
-def _page_kT_v(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, offs_d, kpos0, window, stride_ps, stride_ph, stride_pn,
-               stride_pd, kT_mask, v_mask, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-               SLOTS: tl.constexpr, TMA: tl.constexpr):
-    """The t-th page key tile as the forward takes it: kT (HEAD_DIM, BLOCK_N), v (BLOCK_N,
-    HEAD_DIM) and the window's (query, key) pairs; through tensor descriptors (TMA) or pointers."""
-    if TMA:
-        k, v, in_window = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps,
-                                   stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS)
-        kT = tl.trans(k)
-    else:
-        slot = _pick(slots, t // (PAGE_SIZE // BLOCK_N) - p0, SLOTS).to(tl.int64)
-        base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
-                                        stride_pn, PAGE_SIZE, BLOCK_N)
-        kT = tl.load(KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd, mask=kT_mask, other=0.0)
-        v = tl.load(VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd, mask=v_mask, other=0.0)
-    return kT, v, in_window
-
-
-@triton.jit
 def _diagonal_visible(cols, offs_m, C, window, WINDOWED: tl.constexpr):
     """Own keys `cols` of a diagonal tile: which each query sees (causal j <= i, j < C, and
     inside the window), and which are inside the chunk (keys past it are padding)."""
@@ -136,12 +117,12 @@ def _diagonal_visible(cols, offs_m, C, window, WINDOWED: tl.constexpr):
 
 
 @triton.jit
-def _softmax_pv(acc, l_i, m_i, s, v, visible, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
-    """One key tile of the online softmax from its raw scores s = q k^T (BLOCK_M, BLOCK_N) fp32;
-    v (BLOCK_N, HEAD_DIM)."""
+def _attn_fwd_tile(acc, l_i, m_i, q, kT, v, visible, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
+    """One key tile of the online softmax. q (BLOCK_M, HEAD_DIM); kT (HEAD_DIM, BLOCK_N); v
+    (BLOCK_N, HEAD_DIM)."""
     # Scores in log2 units: qk_scale = scale / ln 2, so exp2(qk - m) = exp(scale * q.k - m').
-    qk = s * qk_scale
-    if MASK:
+    qk = tl.dot(q, kT, input_precision=IN_PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N) fp32
+    if MASK:  # diagonal tiles only
         qk = tl.where(visible, qk, float("-inf"))
     m_ij = tl.maximum(m_i, tl.max(qk, 1))
     p = tl.math.exp2(qk - m_ij[:, None])
@@ -152,38 +133,12 @@ def _softmax_pv(acc, l_i, m_i, s, v, visible, qk_scale, MASK: tl.constexpr, IN_P
 
 
 @triton.jit
-def _attn_fwd_pair(acc0, l0, m0, acc1, l1, m1, q, kT0, v0, kT1, v1, visible0, visible1, qk_scale,
-                   MASK0: tl.constexpr, MASK1: tl.constexpr, IN_PRECISION: tl.constexpr):
-    """Two key tiles into two online-softmax states (_merge_states joins them at the end). Both
-    tiles' scores are computed before either softmax, so ptxas runs tile 0's exp2s while the
-    tensor cores compute tile 1's scores, and tile 1's while they multiply tile 0's P V. With one
-    state every tile's softmax waits for the P V before it (its accumulator), and the tensor cores
-    idle through every softmax (offline sm_90 SASS: bench/kernel_ir.py)."""
-    s0 = tl.dot(q, kT0, input_precision=IN_PRECISION)
-    s1 = tl.dot(q, kT1, input_precision=IN_PRECISION)
-    acc0, l0, m0 = _softmax_pv(acc0, l0, m0, s0, v0, visible0, qk_scale, MASK0, IN_PRECISION)
-    acc1, l1, m1 = _softmax_pv(acc1, l1, m1, s1, v1, visible1, qk_scale, MASK1, IN_PRECISION)
-    return acc0, l0, m0, acc1, l1, m1
-
-
-@triton.jit
-def _merge_states(acc0, l0, m0, acc1, l1, m1):
-    """One online-softmax state from two over disjoint keys (a state that saw no key has l = 0
-    and m = -1e30, and drops out)."""
-    m = tl.maximum(m0, m1)
-    a0 = tl.math.exp2(m0 - m)
-    a1 = tl.math.exp2(m1 - m)
-    return acc0 * a0[:, None] + acc1 * a1[:, None], l0 * a0 + l1 * a1, m
-
-
-@triton.jit
 def _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, visible, qk_scale,
                     MASK: tl.constexpr, IN_PRECISION: tl.constexpr):
-    """_softmax_pv of the key tile at kT_ptrs / v_ptrs."""
+    """_attn_fwd_tile of the key tile at kT_ptrs / v_ptrs."""
     kT = tl.load(kT_ptrs, mask=kT_mask, other=0.0)
     v = tl.load(v_ptrs, mask=v_mask, other=0.0)
-    return _softmax_pv(acc, l_i, m_i, tl.dot(q, kT, input_precision=IN_PRECISION), v, visible, qk_scale, MASK,
-                       IN_PRECISION)
+    return _attn_fwd_tile(acc, l_i, m_i, q, kT, v, visible, qk_scale, MASK, IN_PRECISION)
 
 
 @triton.jit
@@ -217,61 +172,47 @@ def _paged_attn_fwd(
     q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)  # (BLOCK_M, HEAD_DIM)
 
     # Finite start (not -inf): a row whose first tiles are all masked never computes inf - inf.
-    # Two states, for even and odd key tiles (_attn_fwd_pair), merged after the loops.
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    m_1 = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
-    l_1 = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc_1 = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
     # Earlier pages: full, all before the chunk, so no mask but the head_dim one. Per batch of
-    # SLOTS pages, one flat loop over pairs of key tiles (page, tile within page) whose addresses
-    # come from registers, so the compiler pipelines it. An odd number of tiles a page (a page of
-    # one tile) masks the batch's last tile's partner, which lies past it.
+    # SLOTS pages, one flat loop over (page, tile within page) whose addresses come from
+    # registers, so the compiler pipelines it.
     tiles_per_page = PAGE_SIZE // BLOCK_N
-    ODD: tl.constexpr = (PAGE_SIZE // BLOCK_N) % 2 == 1
     kT_mask = mask_d[:, None]
     v_mask = mask_d[None, :]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
     for p0 in range(p_lo, p_hi, SLOTS):
         slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
-        t_hi = tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page
-        for t in range(p0 * tiles_per_page, t_hi, 2):
-            kT0, v0, visible0 = _page_kT_v(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, offs_d, kpos0, window,
-                                           stride_ps, stride_ph, stride_pn, stride_pd, kT_mask, v_mask, PAGE_SIZE,
-                                           BLOCK_N, HEAD_DIM, SLOTS, TMA)
-            kT1, v1, visible1 = _page_kT_v(KP, VP, slots, p0, t + 1, off_kvh, offs_m, offs_n, offs_d, kpos0, window,
-                                           stride_ps, stride_ph, stride_pn, stride_pd, kT_mask, v_mask, PAGE_SIZE,
-                                           BLOCK_N, HEAD_DIM, SLOTS, TMA)
-            if ODD:  # (a window's visible pairs are its only mask otherwise)
-                live = (offs_n[None, :] < tl.where(t + 1 < t_hi, BLOCK_N, 0)) & (offs_m[:, None] >= 0)
-                visible1 = visible1 & live if WINDOWED else live
-            acc, l_i, m_i, acc_1, l_1, m_1 = _attn_fwd_pair(acc, l_i, m_i, acc_1, l_1, m_1, q, kT0, v0, kT1, v1,
-                                                            visible0, visible1, qk_scale, WINDOWED,
-                                                            WINDOWED or ODD, IN_PRECISION)
+        for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
+            if TMA:
+                k, v, in_window = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps,
+                                           stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS)
+                acc, l_i, m_i = _attn_fwd_tile(acc, l_i, m_i, q, tl.trans(k), v, in_window, qk_scale, WINDOWED,
+                                               IN_PRECISION)
+            else:
+                slot = _pick(slots, t // tiles_per_page - p0, SLOTS).to(tl.int64)
+                base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
+                                                stride_pn, PAGE_SIZE, BLOCK_N)
+                kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
+                v_ptrs = VP + base + offs_n[:, None] * stride_pn + offs_d[None, :] * stride_pd
+                acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, in_window,
+                                                qk_scale, WINDOWED, IN_PRECISION)
 
     # The chunk's own keys ride with the first group of pages only (attention/function.py).
     if INCLUDE_SELF:
-        # Own keys before this query tile: all visible (and all < C), no mask; in pairs of tiles
-        # (q_lo is a multiple of BLOCK_M, and BLOCK_M of 2 * BLOCK_N: _fwd_config). With a sliding
+        # Own keys before this query tile: all visible (and all < C), no mask. With a sliding
         # window every visited tile is masked instead, from the window's first tile on.
-        tl.static_assert(BLOCK_M % (2 * BLOCK_N) == 0)
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
         v_base = V + off_b * stride_vb + off_kvh * stride_vh
         masked_lo, free_hi = _own_key_tiles(start_m * BLOCK_M, window, BLOCK_N, WINDOWED)
-        for start_n in range(0, free_hi, 2 * BLOCK_N):
-            kT0 = tl.load(k_base + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                          mask=kT_mask, other=0.0)
-            v0 = tl.load(v_base + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                         mask=v_mask, other=0.0)
-            kT1 = tl.load(k_base + (start_n + BLOCK_N + offs_n)[None, :] * stride_kn + offs_d[:, None] * stride_kd,
-                          mask=kT_mask, other=0.0)
-            v1 = tl.load(v_base + (start_n + BLOCK_N + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                         mask=v_mask, other=0.0)
-            acc, l_i, m_i, acc_1, l_1, m_1 = _attn_fwd_pair(acc, l_i, m_i, acc_1, l_1, m_1, q, kT0, v0, kT1, v1,
-                                                            kT_mask, kT_mask, qk_scale, False, False, IN_PRECISION)
+        for start_n in range(0, free_hi, BLOCK_N):
+            kT_ptrs = k_base + (start_n + offs_n)[None, :] * stride_kn + offs_d[:, None] * stride_kd
+            v_ptrs = v_base + (start_n + offs_n)[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs, kT_mask, v_mask, kT_mask,
+                                            qk_scale, False, IN_PRECISION)
         # Diagonal tiles: masked.
         for start_n in range(masked_lo, tl.minimum((start_m + 1) * BLOCK_M, C), BLOCK_N):
             cols = start_n + offs_n
@@ -281,7 +222,6 @@ def _paged_attn_fwd(
             acc, l_i, m_i = _attn_fwd_inner(acc, l_i, m_i, q, kT_ptrs, v_ptrs,
                                             kT_mask & in_chunk[None, :], v_mask & in_chunk[:, None], visible,
                                             qk_scale, True, IN_PRECISION)
-    acc, l_i, m_i = _merge_states(acc, l_i, m_i, acc_1, l_1, m_1)
 
     # A sparse group may leave a row nothing to see (l = 0): its o is 0 and its LSE -inf, which
     # merges with the other groups as "no contribution".
