@@ -16,7 +16,7 @@ way with descriptor loads, from 12.8 to 9.4 ms at 64K keys: docs/benchmarks.md.)
 barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
 and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one), with the
 registers per thread and the bytes spilled to local memory that ptxas reports (the one Triton
-compiles with). The dK/dV kernels run at 255 registers (the dense one spills ~70 B; ncu on the
+compiles with). The dK/dV kernels run at 255 registers (8 B spilled dense, 32 B top-k; ncu on the
 H200 agrees: one 8-warp program per SM).
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
 (`pip install --target DIR triton==3.6.0`).
