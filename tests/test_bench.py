@@ -5,6 +5,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -102,6 +103,34 @@ def test_step_table_shows_repeats_and_chunk_sizes():
     cells = next(line for line in lines if line.startswith("| 256K")).split(" | ")
     assert cells[1:] == ["1,486 (176.4 s)", "90.1", "1,872 (140 s)", "90.1", "6,473 (40.5 s) / 6,394 (41 s)", "49.2",
                          "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
+
+
+def test_attention_table_takes_forward_only_rows():
+    """report.py: gluon_forward.py's rows have no backward; the table leaves those cells empty."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    from report import attention_table
+
+    run = {"commit": "abcdef0", "date": "2026-12-01", "gpu": "H", "N": 65536}
+    rows = [{**run, "impl": "paged", "fwd_ms": 7.0, "bwd_ms": 23.8, "fwd_tflops": 558.1, "bwd_tflops": 417.4},
+            {**run, "impl": "gluon-fwd prototype (pages only)", "fwd_ms": 7.84, "bwd_ms": None, "fwd_tflops": 491.0,
+             "bwd_tflops": None}]
+    lines = attention_table(rows).splitlines()
+    assert "| 64K | paged | 7.00 | 23.80 | 558 | 417 |" in lines
+    assert "| 64K | gluon-fwd prototype (pages only) | 7.84 |  | 491 |  |" in lines
+
+
+@pytest.mark.gpu
+def test_gluon_forward_agrees_with_the_engine(tmp_path):
+    """The Gluon prototype (Hopper only) checks itself against the engine's forward and exits
+    non-zero on a disagreement."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("gluon_forward.py is a Hopper (sm_90) kernel")
+    out = tmp_path / "gluon.jsonl"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gluon_forward.py"), "--keys", "16384",
+                    "--out", str(out)], check=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["impl"] for r in rows} == {"paged (pages only)", "gluon-fwd prototype (pages only)"}
+    assert all(r["max_err_o"] < 1e-3 for r in rows)
 
 
 def test_trace_gaps_summary(tmp_path):
