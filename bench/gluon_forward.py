@@ -82,10 +82,9 @@ def _softmax(s, m_i, l_i, j, n_pages, qk_scale):
 
 @gluon.jit
 def _compute(q_smem, k_smem, v_smem, q_ready, ready, empty, n_pages, qk_scale, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """The consumer warpgroups: (o unnormalised, m, l) of BLOCK_M query rows over every page."""
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, BLOCK_N, 16])
+             BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, mma: gl.constexpr):
+    """The consumer warpgroups: (o unnormalised, m, l) of BLOCK_M query rows over every page, in
+    the wgmma accumulator layout `mma`."""
     p_operand: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=2)
     rows: gl.constexpr = gl.SliceLayout(1, mma)
     zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma)
@@ -135,15 +134,15 @@ def _gluon_fwd(Q, K, V, Table, O, LSE, n_pages, C, H, n_kv, stride_tb, qk_scale,
         mbarrier.init(ready.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
 
+    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                   instr_shape=[16, BLOCK_N, 16])
     acc, m_i, l_i = gl.warp_specialize(
         [(_compute, (q_smem, k_smem, v_smem, q_ready, ready, empty, n_pages, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     STAGES, num_warps)),
+                     STAGES, mma)),
          (_loader, (Q, K, V, q_smem, k_smem, v_smem, q_ready, ready, empty, Table + (off_bh // H) * stride_tb,
                     q_row, off_kvh, n_kv, n_pages, STAGES, BLOCK_N))],
         [1], [40])  # the loader: one warp, 40 registers; the rest go to the compute warps
 
-    mma: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                   instr_shape=[16, BLOCK_N, 16])
     offs_m = start_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, mma))
     gl.store(O + (off_bh * C + offs_m)[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None])
