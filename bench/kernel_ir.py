@@ -3,6 +3,7 @@ pipeliner treated each loop: whether a loop's loads stay in flight while it comp
 
     python bench/kernel_ir.py                 # forward, dQ, dK/dV (pages; own keys); dense and top-k; H200
     python bench/kernel_ir.py --dump /tmp/ir  # also write each kernel's TTGIR there
+    python bench/kernel_ir.py --kinds hopper  # paged_hopper's Gluon backward (Triton 3.6 only; in the default set there)
 
 Each kernel is compiled for sm_90 (ptxas ships with Triton) with the launch settings the GPU
 would use (`_fwd_config` / `_bwd_config`, bf16, head_dim 128, 28/4 heads, pages of 128) and strides
@@ -17,7 +18,8 @@ barriers instead; a synchronous scalar load (`tt.load` of one index) inside a lo
 and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one), with the
 registers per thread and the bytes spilled to local memory that ptxas reports (the one Triton
 compiles with). The dK/dV kernels run at 255 registers (8 B spilled dense, 32 B top-k; ncu on the
-H200 agrees: one 8-warp program per SM).
+H200 agrees: one 8-warp program per SM). For the warp-specialised Gluon kernel ptxas reports the
+launch's registers (168); its compute warps raise theirs to 240 (setmaxnreg), the two others drop to 40.
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
 (`pip install --target DIR triton==3.6.0`).
 
@@ -43,7 +45,7 @@ from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
-from oomb.attention import paged  # noqa: E402
+from oomb.attention import paged, paged_hopper  # noqa: E402
 
 SHAPE = dict(GROUP=7, D=128, HEAD_DIM=128, PAGE_SIZE=128, IN_PRECISION="tf32", WINDOWED=False)
 BF16_GPU_Q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # what the configs look at
@@ -79,8 +81,31 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 
+def _compile_hopper(arch: int):
+    """paged_hopper's fused backward (Gluon; dense only) at the launch settings of backward_pages."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.runtime.jit import mangle_type
+
+    def desc(rows, dtype, torch_dtype):
+        return mangle_type(paged_hopper._descriptor(torch.empty((rows, 128), dtype=torch_dtype), rows, dtype))
+
+    fn = paged_hopper._fused_bwd
+    qd, kd = desc(paged_hopper.BLOCK_M, gl.bfloat16, torch.bfloat16), desc(paged_hopper.BLOCK_N, gl.bfloat16,
+                                                                                torch.bfloat16)
+    ptrs = dict(Q=qd, DO=qd, K=kd, V=kd, DQI=desc(paged_hopper.BLOCK_M, gl.int32, torch.int32), LSE="*fp32",
+                Delta="*fp32", Fac="*fp32", Table="*i32", DKP="*fp32", DVP="*fp32")
+    const = dict(GROUP=7, PAGE_SIZE=128, STAGES=paged_hopper.STAGES, num_warps=8)
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "fp32" if n in ("qk_scale", "scale") else "i32")
+           for n in fn.arg_names}
+    src = GluonASTSource(fn, sig, constexprs={(fn.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
+
+
 def compile_kernel(kind: str, sparse: bool, arch: int = 90):
     """A kernel compiled at the H200 launch settings (.asm: ttgir, ptx, ...; .metadata.shared)."""
+    if kind == "hopper":
+        return _compile_hopper(arch)
     fn, ptrs, const, options = _kernel(kind, sparse)
     const.update(SLOTS=paged.SLOT_BATCH, MAX_BLOCKS=32)
     const = {n: v for n, v in const.items() if n in fn.arg_names}
@@ -125,12 +150,13 @@ def loop_waits(ttgir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--kinds", default="fwd,dq,dkdv,dkdv_own")
+    kinds = "fwd,dq,dkdv,dkdv_own" + (",hopper" if paged_hopper.AVAILABLE else "")  # hopper: Gluon, Triton 3.6
+    ap.add_argument("--kinds", default=kinds)
     ap.add_argument("--dump", help="a directory for the TTGIR files")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel")
     args = ap.parse_args()
     for kind in args.kinds.split(","):
-        for sparse in (False,) if kind == "dkdv_own" else (False, True):
+        for sparse in (False,) if kind in ("dkdv_own", "hopper") else (False, True):
             kernel = compile_kernel(kind, sparse)
             ir, shared = kernel.asm["ttgir"], kernel.metadata.shared
             if args.dump:

@@ -8,8 +8,8 @@ gradient pages. The semantics are reference.py's, which the tests compare agains
 The kernels live in paged_forward.py (the forward and the tile helpers) and paged_backward.py;
 this file holds their launch settings, the launchers and the backend interface.
 
-Grids (no atomics anywhere: every output element has exactly one writer, so gradients are
-bitwise deterministic run to run):
+Grids (no atomics: every output element has exactly one writer, so gradients are bitwise
+deterministic run to run):
   forward       (query tile, b * H)     loop: page key tiles, then own keys (causal)
   preprocess    (query tile, b * H)     delta = rowsum(O * dO)
   dK/dV pages   (page key tile, b*Hkv)  loop: the query tiles of the G heads of the group;
@@ -17,6 +17,12 @@ bitwise deterministic run to run):
   dK/dV own     (b * H, key tile)       loop: the query tiles at or after the key tile (causal)
                                          of one query head; its share, summed per group after
   dQ            (query tile, b * H)     loop: page key tiles, then own keys (causal)
+On Hopper GPUs, dense pages with gradients take paged_hopper.py's fused kernel (Gluon) instead
+of the dK/dV pages kernel and the dQ kernel's page loop:
+  dK/dV + dQ    (page key tile, b*Hkv)  loop: as dK/dV pages (one writer per dK/dV element); each
+                                         query tile's dQ share added into an int32 dQ by TMA
+                                         reductions, as fixed point: integer sums do not depend on
+                                         their order, so dQ too is the same bits run to run
 
 Tricks, stated where they happen: exp2 with 1/ln 2 folded into the softmax scale; only the
 (base-2) LSE is saved for backward; the causal loops are split so the mask is applied on the
@@ -33,6 +39,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..memory.spec import LayerPages
+from . import paged_hopper
 from .paged_backward import (_paged_attn_bwd_dkdv_own, _paged_attn_bwd_dkdv_pages, _paged_attn_bwd_dq,
                              _paged_attn_bwd_preprocess)
 from .paged_forward import _paged_attn_fwd
@@ -272,7 +279,12 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     sp = _sparse_args(pages, c)
     _check_blocks(sp, cfg["BLOCK_M1"])
     _check_blocks(sp, cfg["BLOCK_M2"])
-    if pages.dk is not None and pages.n_pages > 0:
+    # On Hopper, dense pages with gradients: dK/dV and the pages' dQ in one Gluon kernel (five tile
+    # products, not seven); the dQ kernel below then runs over the chunk's own keys only.
+    dq_pages = None
+    if paged_hopper.eligible(q, pages):
+        dq_pages = paged_hopper.backward_pages(do, q, lse, delta, pages, scale)  # (B, H, C, D) fp32
+    elif pages.dk is not None and pages.n_pages > 0:
         visits = _page_visits(pages)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
@@ -307,20 +319,27 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             dk = dk.view(b, n_kv, group, c, d).sum(2).to(k.dtype)
             dv = dv.view(b, n_kv, group, c, d).sum(2).to(v.dtype)
 
-    dq = torch.empty(q.shape, dtype=dq_dtype or q.dtype, device=q.device)  # (B, H, C, D)
+    n_pages = 0 if dq_pages is not None else pages.n_pages  # the pages' share is in dq_pages
+    dq_dtype = dq_dtype or q.dtype
+    if dq_pages is not None and not include_self:
+        return dq_pages.to(dq_dtype), dk, dv
+    # (B, H, C, D); fp32 when the pages' share is added after (one rounding to dq_dtype)
+    dq = torch.empty(q.shape, dtype=dq_dtype if dq_pages is None else torch.float32, device=q.device)
     block_n = min(cfg["BLOCK_N2"], page_size)
-    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and pages.n_pages > 0)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and n_pages > 0)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
         q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
-        c, pages.n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
+        c, n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=block_n, IN_PRECISION=precision,
         INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
         num_warps=cfg["warps2"], num_stages=cfg["stages2"],
     )
+    if dq_pages is not None:
+        dq = dq.add_(dq_pages).to(dq_dtype)
     return dq, dk, dv
 
 
