@@ -138,9 +138,10 @@ def attention_table(rows: list[dict]) -> str:
         for r in sorted(run, key=lambda r: (r.get("N", 0), r.get("impl", ""))):
             if "fwd_ms" not in r:
                 continue
+            # Forward-only rows (gluon_forward.py) and backward-only rows (session 22's prototype) leave a blank.
+            fwd_ms, fwd_tflops = ("", "") if r["fwd_ms"] is None else (f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.0f}")
             bwd_ms, bwd_tflops = ("", "") if r["bwd_ms"] is None else (f"{r['bwd_ms']:.2f}", f"{r['bwd_tflops']:.0f}")
-            out.append(f"| {_k(r['N'])} | {r['impl']} | {r['fwd_ms']:.2f} | {bwd_ms} | "
-                       f"{r['fwd_tflops']:.0f} | {bwd_tflops} |")  # forward-only rows: gluon_forward.py
+            out.append(f"| {_k(r['N'])} | {r['impl']} | {fwd_ms} | {bwd_ms} | {fwd_tflops} | {bwd_tflops} |")
         out.append("")
     return "\n".join(out)
 

@@ -105,18 +105,22 @@ def test_step_table_shows_repeats_and_chunk_sizes():
                          "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
 
 
-def test_attention_table_takes_forward_only_rows():
-    """report.py: gluon_forward.py's rows have no backward; the table leaves those cells empty."""
+def test_attention_table_takes_forward_only_and_backward_only_rows():
+    """report.py: gluon_forward.py's rows have no backward, session 22's backward prototype's no
+    forward; the table leaves those cells empty."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from report import attention_table
 
     run = {"commit": "abcdef0", "date": "2026-12-01", "gpu": "H", "N": 65536}
     rows = [{**run, "impl": "paged", "fwd_ms": 7.0, "bwd_ms": 23.8, "fwd_tflops": 558.1, "bwd_tflops": 417.4},
             {**run, "impl": "gluon-fwd prototype (pages only)", "fwd_ms": 7.84, "bwd_ms": None, "fwd_tflops": 491.0,
-             "bwd_tflops": None}]
+             "bwd_tflops": None},
+            {**run, "impl": "gluon-bwd prototype (pages only)", "fwd_ms": None, "bwd_ms": 19.8, "fwd_tflops": None,
+             "bwd_tflops": 486.0}]
     lines = attention_table(rows).splitlines()
     assert "| 64K | paged | 7.00 | 23.80 | 558 | 417 |" in lines
     assert "| 64K | gluon-fwd prototype (pages only) | 7.84 |  | 491 |  |" in lines
+    assert "| 64K | gluon-bwd prototype (pages only) |  | 19.80 |  | 486 |" in lines
 
 
 @pytest.mark.gpu
