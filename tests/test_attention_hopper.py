@@ -21,7 +21,8 @@ from test_attention_triton import backward_twice, make_case, run_case  # noqa: E
 def test_page_bounds_match_torch():
     _, _, _, kp, vp, _, _, table, _ = make_case(2, 4, 2, 3, 24, 16, 5, torch.float32, seed=1)
     kp[table[1, 2]] *= 7  # one page of the second sequence dominates both bounds
-    got = paged_hopper.page_bounds(LayerPages(kp, vp, None, None, table))  # (B, Hkv, 2)
+    columns = table.t().contiguous().t()  # the same table with strides (1, B)
+    got = paged_hopper.page_bounds(LayerPages(kp, vp, None, None, columns))  # (B, Hkv, 2)
     k, v = kp[table.long()], vp[table.long()]  # (B, n_pages, Hkv, P, D)
     want = torch.stack([k.abs().amax((1, 3, 4)), v.norm(dim=-1).amax((1, 3))], dim=-1)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=0)

@@ -69,22 +69,23 @@ if triton.__version__.startswith(GLUON_TRITON):
 def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
     """Whether paged._backward runs the pages' backward here: dense pages with fp32 gradient pools
     (bf16 dK/dV pages take the Triton path), on a Hopper GPU, 16-bit, head_dim 128, a chunk of a
-    multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools."""
+    multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools (and a page table
+    whose rows are contiguous, as the store's are)."""
     return (ENABLED and AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == HEAD_DIM
             and q.shape[2] % BLOCK_M == 0 and pages.n_pages > 0 and pages.dk is not None
             and pages.selection is None and not pages.window and pages.k.shape[2] % BLOCK_N == 0
-            and pages.dk.dtype == torch.float32 and pages.dv.dtype == torch.float32
+            and pages.dk.dtype == torch.float32 and pages.dv.dtype == torch.float32 and pages.table.stride(-1) == 1
             and all(x.is_contiguous() for x in (pages.k, pages.v, pages.dk, pages.dv)))
 
 
 @triton.jit
-def _page_bounds(KP, VP, Table, Out, stride_ps, stride_ph, stride_pn, stride_tb, n_pages, HKV, D,
+def _page_bounds(KP, VP, Table, Out, stride_ps, stride_ph, stride_pn, stride_tb, stride_tp, n_pages, HKV, D,
                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
     """max |K| and max_j |V_j| (row norms) of one page of one KV head: Out (B * Hkv, n_pages, 2)."""
     page = tl.program_id(0)
     off_bkv = tl.program_id(1)
-    slot = tl.load(Table + (off_bkv // HKV) * stride_tb + page).to(tl.int64)
+    slot = tl.load(Table + (off_bkv // HKV) * stride_tb + page * stride_tp).to(tl.int64)
     offs_n = tl.arange(0, PAGE_SIZE)
     offs_d = tl.arange(0, HEAD_DIM)
     offs = slot * stride_ps + (off_bkv % HKV) * stride_ph + offs_n[:, None] * stride_pn + offs_d[None, :]
@@ -103,7 +104,7 @@ def page_bounds(pages: LayerPages) -> torch.Tensor:
     out = torch.empty((b * n_kv, n_pages, 2), dtype=torch.float32, device=pages.k.device)
     if n_pages:
         _page_bounds[(n_pages, b * n_kv)](pages.k, pages.v, pages.table, out, *pages.k.stride()[:3],
-                                          pages.table.stride(0), n_pages, n_kv, d, PAGE_SIZE=page_size,
+                                          *pages.table.stride(), n_pages, n_kv, d, PAGE_SIZE=page_size,
                                           HEAD_DIM=triton.next_power_of_2(d), num_warps=8)
     return out.amax(1).view(b, n_kv, 2) if n_pages else out.new_zeros((b, n_kv, 2))
 
@@ -204,7 +205,7 @@ if AVAILABLE:
             stage = i % STAGES
             buf = i % 2
             # The next tile's LSE, delta and dQ factors load a phase ahead of their use (loaded
-            # at the top of the iteration, they cost 7 % at 64K keys: docs/benchmarks.md).
+            # where they are used, the kernel took 15 % longer at 64K keys: docs/benchmarks.md).
             next_row = row0 + gl.minimum(i + 1, n_iter - 1) * BLOCK_M
             q_s = q_smem.index(stage)
             do_s = do_smem.index(stage)
