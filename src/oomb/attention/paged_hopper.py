@@ -33,7 +33,8 @@ partial sum of row r over page keys (|dQ_rd| <= scale * sum_j |dS_rj| |K_jd|, |d
 call's pages (`_page_bounds`).
 
 Not under TRITON_INTERPRET (Gluon kernels do not run in the interpreter): the GPU tests
-(`pytest -m gpu tests/test_attention_triton.py`) check it against the reference and the Triton path.
+(`pytest -m gpu tests/test_attention_hopper.py`) check it against the float64 oracle, and CPU tests
+its page bounds and the fixed-point scheme.
 """
 from __future__ import annotations
 
