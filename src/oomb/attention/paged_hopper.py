@@ -38,6 +38,7 @@ its page bounds and the fixed-point scheme.
 """
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -126,15 +127,15 @@ def backward_pages(do, q, lse, delta, pages: LayerPages, scale: float) -> torch.
     b, h, c, d = q.shape
     n_kv, page_size = pages.k.shape[1], pages.k.shape[2]
     q, do = q.contiguous(), do.contiguous()  # (B * H * C, D) rows for the descriptors
-    e = dq_exponents(do, delta, page_bounds(pages), scale)
+    fac = torch.exp2(dq_exponents(do, delta, page_bounds(pages), scale))  # 2^e_r (B, H, C)
     dqi = torch.zeros((b, h, c, d), dtype=torch.int32, device=q.device)
     dtype = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
     _fused_bwd[(pages.n_pages * (page_size // BLOCK_N), b * n_kv)](
         _descriptor(q, BLOCK_M, dtype), _descriptor(do, BLOCK_M, dtype), _descriptor(pages.k, BLOCK_N, dtype),
         _descriptor(pages.v, BLOCK_N, dtype), _descriptor(dqi, BLOCK_M, gl.int32), lse, delta,
-        torch.exp2(e) * scale, pages.table, pages.dk, pages.dv, c, h, n_kv, pages.table.stride(0),
-        scale * 1.4426950408889634, scale, GROUP=h // n_kv, PAGE_SIZE=page_size, STAGES=STAGES, num_warps=8)
-    return dqi.float().mul_(torch.exp2(-e)[..., None])
+        fac * scale, pages.table, pages.dk, pages.dv, c, h, n_kv, pages.table.stride(0),
+        scale * (1.0 / math.log(2.0)), scale, GROUP=h // n_kv, PAGE_SIZE=page_size, STAGES=STAGES, num_warps=8)
+    return dqi.float().div_(fac[..., None])  # exact: fac is a power of two
 
 
 def _descriptor(x: torch.Tensor, rows: int, dtype) -> "TensorDescriptor":
