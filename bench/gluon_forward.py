@@ -37,12 +37,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import record, run_info  # noqa: E402
 
 from oomb.attention import paged  # noqa: E402
+from oomb.attention.paged_hopper import _descriptor  # noqa: E402
 from oomb.memory.spec import LayerPages  # noqa: E402
 
 BLOCK_M, PAGE_SIZE, HEAD_DIM, STAGES = 128, 128, 128, 3  # shared memory: Q 32 KiB + 3 x (K, V) 192 KiB
@@ -156,16 +156,12 @@ def gluon_forward(q: torch.Tensor, pages: LayerPages, scale: float) -> tuple[tor
     if (d, page_size, q.dtype) != (HEAD_DIM, PAGE_SIZE, torch.bfloat16) or c % BLOCK_M:
         raise ValueError(f"the prototype takes bf16, head_dim {HEAD_DIM}, pages of {PAGE_SIZE} and a chunk of a "
                          f"multiple of {BLOCK_M}; got {q.dtype}, {d}, {page_size}, {c}")
-    layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], gl.bfloat16)
-
-    def desc(x: torch.Tensor, rows: int) -> TensorDescriptor:
-        x = x.reshape(-1, d)  # (rows of all heads, D): one 2-D descriptor
-        return TensorDescriptor(x, list(x.shape), list(x.stride()), [rows, d], layout)
-
+    q = q.contiguous()  # (B * H * C, D) rows for the descriptor
     o = torch.empty((b, h, c, d), device=q.device, dtype=torch.float32)
     lse = torch.empty((b, h, c), device=q.device, dtype=torch.float32)
-    _gluon_fwd[(c // BLOCK_M, b * h)](desc(q, BLOCK_M), desc(pages.k, PAGE_SIZE), desc(pages.v, PAGE_SIZE),
-                                      pages.table, o, lse, pages.n_pages, c, h, n_kv, pages.table.stride(0),
+    qd, kd, vd = (_descriptor(x, rows, gl.bfloat16) for x, rows in ((q, BLOCK_M), (pages.k, PAGE_SIZE),
+                                                                    (pages.v, PAGE_SIZE)))
+    _gluon_fwd[(c // BLOCK_M, b * h)](qd, kd, vd, pages.table, o, lse, pages.n_pages, c, h, n_kv, pages.table.stride(0),
                                       scale / math.log(2.0), STAGES, num_warps=8)
     return o, lse
 
