@@ -12,7 +12,7 @@ from functools import lru_cache
 import torch
 
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import PageSpec
+from .memory.spec import PageSpec, staged_slots
 
 
 @dataclass
@@ -160,7 +160,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
-        staged_pages=max(1, min(sparse.chunk_budget if sparse is not None else group_pages, stored_pages)),
+        staged_pages=staged_slots(sparse.chunk_budget if sparse is not None else group_pages, stored_pages),
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 

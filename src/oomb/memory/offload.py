@@ -50,7 +50,7 @@ import triton.language as tl
 
 from .dma import batch_copier, row_copies
 from .pinned import empty_pinned
-from .spec import LayerPages, PageSpec
+from .spec import LayerPages, PageSpec, staged_slots
 
 
 class HostPages:
@@ -91,14 +91,10 @@ class HostPages:
     def host_bytes(self, batch: int, max_pages: int) -> int:
         return len(self.layers) * batch * max_pages * (self.spec.page_bytes + self.rep_bytes)
 
-    def staged_slots(self, max_pages: int) -> int:
-        """Pages a staging buffer holds: a group, or all of a layer's pages when fewer."""
-        return max(1, min(self.group_pages, max_pages))
-
     def staging_bytes(self, batch: int, max_pages: int) -> int:
         if not self.layers:
             return 0
-        return (2 * self.staged_slots(max_pages) * batch * self.spec.page_bytes
+        return (2 * staged_slots(self.group_pages, max_pages) * batch * self.spec.page_bytes
                 + batch * max_pages * self.rep_bytes)
 
     def begin_step(self, batch: int, max_pages: int) -> None:
@@ -119,7 +115,7 @@ class HostPages:
                 for layer in self.layers:
                     self.arena[layer].append(empty_pinned(reps, s.dtype, pin))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
-            n = self.staged_slots(max_pages)
+            n = staged_slots(self.group_pages, max_pages)
             slots = (n * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
             # staged page j of sequence b sits in slot j*B + b

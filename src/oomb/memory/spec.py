@@ -55,6 +55,12 @@ class PageSpec:
         return self.kv_bytes + self.grad_bytes
 
 
+def staged_slots(group_pages: int, max_pages: int) -> int:
+    """Pages a host layer's GPU staging buffer holds (memory/offload.py): a group (dense) or a
+    selection (sparse), or all of a layer's `max_pages` pages when fewer; at least one."""
+    return max(1, min(group_pages, max_pages))
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
