@@ -79,7 +79,7 @@ class GpuMeter:
     """The GPU's SM clock and power while a step runs, sampled by `nvidia-smi` every 200 ms
     in a child process: a long training step on an H200 runs at its 700 W cap, where the clock
     drops from 1,980 MHz to ~1,600-1,800 MHz, while a kernel benchmark's short bursts run at
-    full clock (docs/benchmarks.md, session 11). So a kernel's gain in bench_attention.py
+    full clock (H200, 2026-11-30, 7c7f11b). So a kernel's gain in bench_attention.py
     shrinks in the step; these fields say how far each step was power-bound.
 
     summary(): sm_mhz (mean), power_w (mean), power_capped (share of samples whose clock was

@@ -46,12 +46,12 @@ def _label(r: dict) -> str:
             + (f" float8-{r['float8']}" if r.get("float8", "none") != "none" else "")
             + (" fp32-grad-sums" if r.get("param_grad_dtype") == "fp32" else "")
             + _kept_label(r)
-            + (" fused-wgrad" if r.get("fused_weight_grads") else "")  # session 8, removed
+            + (" fused-wgrad" if r.get("fused_weight_grads") else "")  # rows of a setting since removed
             + (f" {r['host_layers']}-host-layers" if r.get("page_budget_gib") is not None else ""))
 
 
 def _kept_label(r: dict) -> str:
-    """keep_attention: True on the GPU before session 15's rows; since, yes / fit / no with the
+    """keep_attention: True on the GPU in the rows before e32e5de (2026-11-30); since, yes / fit / no with the
     number of layers kept and where."""
     if r.get("keep_attention") in (None, False, "no"):
         return ""
@@ -138,7 +138,7 @@ def attention_table(rows: list[dict]) -> str:
         for r in sorted(run, key=lambda r: (r.get("N", 0), r.get("impl", ""))):
             if "fwd_ms" not in r:
                 continue
-            # Forward-only rows (gluon_forward.py) and backward-only rows (session 22's prototype) leave a blank.
+            # Forward-only rows (gluon_forward.py) and backward-only rows (the fused backward's prototype, a28a565) leave a blank.
             fwd_ms, fwd_tflops = ("", "") if r["fwd_ms"] is None else (f"{r['fwd_ms']:.2f}", f"{r['fwd_tflops']:.0f}")
             bwd_ms, bwd_tflops = ("", "") if r["bwd_ms"] is None else (f"{r['bwd_ms']:.2f}", f"{r['bwd_tflops']:.0f}")
             out.append(f"| {_k(r['N'])} | {r['impl']} | {fwd_ms} | {bwd_ms} | {fwd_tflops} | {bwd_tflops} |")

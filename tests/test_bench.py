@@ -106,7 +106,7 @@ def test_step_table_shows_repeats_and_chunk_sizes():
 
 
 def test_attention_table_takes_forward_only_and_backward_only_rows():
-    """report.py: gluon_forward.py's rows have no backward, session 22's backward prototype's no
+    """report.py: gluon_forward.py's rows have no backward, the fused backward prototype's (a28a565) no
     forward; the table leaves those cells empty."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     from report import attention_table

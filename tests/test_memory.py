@@ -9,7 +9,7 @@ from oomb.memory.store import PagedKVStore
 
 
 def test_spec_bytes_qwen25_7b():
-    # design.md §3: KV = 28 layers x 2 x 4 heads x 128 x 2 B = 56 KiB per token; fp32 dK/dV twice that.
+    # KV = 28 layers x 2 x 4 heads x 128 x 2 B = 56 KiB per token; fp32 dK/dV twice that.
     spec = PageSpec(page_size=128, n_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
     assert 28 * spec.kv_bytes // 128 == 56 * 1024
     assert 28 * spec.grad_bytes // 128 == 112 * 1024

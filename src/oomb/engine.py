@@ -1,4 +1,4 @@
-"""The two-stage chunk-recurrent step (design.md §2).
+"""The two-stage chunk-recurrent step.
 
     chunk 0 .. n-2                     stage 1, no autograd: run every layer, store each
       -> layers -> pages               layer's post-RoPE K/V in pages, attend over the
@@ -51,7 +51,7 @@ class ChunkRecurrentEngine(PagePlacement):
     every offload mode groups alike, so their gradients are bitwise equal. Fewer, larger calls
     are faster for dense attention: 1024 against 128, -1.5 % at 64K and -3 % at 128K tokens on
     an H200, and with every page on the host ('all') within 0.2 % of 'none' since a host
-    layer's first group loads during the layer before it (docs/benchmarks.md, sessions 18, 20).
+    layer's first group loads during the layer before it (H200, 2026-12-01, fda5ef3; docs/experiments.md).
     """
 
     def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,

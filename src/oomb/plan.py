@@ -138,7 +138,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     if compiled and not experts:
         # Compiled, the SwiGLU saves its gate and up (its product is recomputed) and the RMSNorms
         # no fp32 intermediates: measured on the H200, 172 KiB a token and layer at the 7B shape
-        # against this 171 KiB (the eager formula's 236; docs/benchmarks.md, session 20).
+        # against this 171 KiB (the eager formula's 236; H200, 2026-12-01, 88a73cb).
         mlp, norms = 3 * inter, 0
     per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + norms
     return MemoryPlan(

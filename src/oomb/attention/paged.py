@@ -49,7 +49,7 @@ RCP_LN2 = 1.0 / LN2
 MAX_HEAD_DIM = 256
 # The forward and dQ kernels load page tiles through tensor descriptors where they can (_descriptors):
 # on the H200 +10 % forward TFLOP/s, and a dQ kernel 26 % faster, its loop pipelined; the dK/dV pages
-# kernel its query tiles (Q, dO): 2-4 % faster (docs/benchmarks.md, sessions 15-17).
+# kernel its query tiles (Q, dO): 2-4 % faster (H200, 2026-11-30, e32e5de..ac5ede3; docs/experiments.md).
 # OOMB_TMA=0 turns all off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop),
 # OOMB_DKDV_TMA=0 the dK/dV kernel's.
 TMA = os.environ.get("OOMB_TMA", "1") != "0"

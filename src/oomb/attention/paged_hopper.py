@@ -6,7 +6,7 @@ chunk's own keys, and everything else, to the Triton kernels.
 
 Why Gluon (Triton's lower-level language, `triton.experimental.gluon`): the fused loop is fast
 only with FlashAttention-3's schedule, which Triton 3.6 compiles for Blackwell only; Gluon spells
-it out (docs/benchmarks.md, sessions 18 and 22). One program per (page tile of 128 keys, b * KV
+it out (H200, 2026-11-30 and 2026-12-01, 5ae6a55 and df2c188; docs/experiments.md). One program per (page tile of 128 keys, b * KV
 head) keeps its K, V in shared memory and dK, dV in registers, and loops over the query tiles of
 the G query heads of its group:
 

@@ -1,4 +1,4 @@
-"""Page-level top-k sparse attention for models trained with dense attention (design.md §5).
+"""Page-level top-k sparse attention for models trained with dense attention.
 
 Each page keeps a representative per KV head, written with the page: the mean of its post-RoPE
 keys (MoBA), or their element-wise min and max (Quest's bound). Each block of `block_queries`
@@ -15,9 +15,11 @@ attention.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
+
+# A page's representative and a chunk's selection are data the page store holds (memory/spec.py).
+from ..memory.spec import Selection, page_representatives  # noqa: F401 (re-exported)
 
 REPRESENTATIVES = ("mean", "minmax")
 
@@ -47,30 +49,6 @@ class TopKPages:
     def rep_size(self) -> int:
         """Vectors per page and KV head in the representative."""
         return 2 if self.representative == "minmax" else 1
-
-
-def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:
-    """k: (B, Hkv, n*P, D) post-RoPE keys of whole pages -> (B, n, Hkv, R, D) in k's dtype."""
-    b, h, t, d = k.shape
-    pages = k.reshape(b, h, n_pages, t // n_pages, d).transpose(1, 2)  # (B, n, Hkv, P, D)
-    if kind == "mean":
-        return pages.float().mean(dim=3, keepdim=True).to(k.dtype)
-    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
-
-
-class Selection(NamedTuple):
-    """What one chunk attends of one layer's earlier pages (kept from stage 1 for stage 2)."""
-
-    pages: torch.Tensor  # (B, n_cand) int32 ascending: the logical pages the chunk reads
-    blocks: torch.Tensor  # (B, Hkv, n_blocks, k) ascending: each block's picks, as indices into pages (uint8
-    # up to 256 candidates, else int16/int32)
-    host_pages: tuple | None = None  # a host layer's: (pinned copy of pages, its copy's event), memory/offload.py
-
-    def logical(self) -> torch.Tensor:
-        """(B, Hkv, n_blocks, k) logical page of every pick."""
-        b, n_kv, blocks, k = self.blocks.shape
-        flat = self.pages.long()[:, None, :].expand(b, n_kv * blocks, -1)
-        return flat.gather(2, self.blocks.long().view(b, n_kv * blocks, k)).view(b, n_kv, blocks, k).int()
 
 
 def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selection:

@@ -3,7 +3,7 @@
 A sparse selection's pages lie scattered over a host layer's arena. The zero-copy kernel
 (offload.copy_rows) gathers them from a row list that lives on the GPU, but each of its programs
 holds an SM while it waits on PCIe, and the one-wave GEMMs beside it then need a second wave
-(+9 to +61 %, docs/benchmarks.md, session 13). When the rows are known on the host (stage 2
+(+9 to +61 %, H200, 2026-11-30, faca5b1..8dfc1fc). When the rows are known on the host (stage 2
 reads the selections stage 1 made), the copy engines can move them instead: each run of
 consecutive rows becomes one copy, and every copy of a transfer goes to the driver in one call,
 `cuMemcpyBatchAsync` (CUDA 12.8+), ordered on its stream like `cudaMemcpyAsync`.

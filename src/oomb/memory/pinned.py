@@ -2,7 +2,7 @@
 
 torch's pinned allocator (`torch.empty(..., pin_memory=True)`) pins with cudaHostAlloc, which
 faults the pages in on one thread, and rounds every block up to a power of two. On the H200
-machine (docs/benchmarks.md, session 16): 16 GiB in 7.3 s (2.3 GB/s), and a 1.5 GiB block takes
+machine (bench/bench_pin.py, 2026-11-30, f800f98): 16 GiB in 7.3 s (2.3 GB/s), and a 1.5 GiB block takes
 2 GiB. Here the memory is an ordinary page-aligned allocation whose pages several threads touch
 at once, then registered with cudaHostRegister: 16 GiB in 1.33 s (0.71 s touching on 16 threads,
 0.62 s registering), exactly the bytes asked for. The registration ends when the memory is freed,

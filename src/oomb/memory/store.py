@@ -20,10 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention.sparse import Selection, page_representatives
 from .offload import HostPages
 from .pool import PagePool
-from .spec import LayerPages, PageSpec
+from .spec import LayerPages, PageSpec, Selection, page_representatives
 
 
 class PagedKVStore:
