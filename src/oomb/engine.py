@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import functools
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -24,7 +26,7 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.sparse import Selection, TopKPages, select_pages
-from .loss import IGNORE_INDEX, ce_and_grad, head_loss, shifted_targets, slice_tokens
+from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
 from .memory.kept import KeptAttention
 from .memory.spec import PageSpec
 from .memory.store import PagedKVStore
@@ -38,6 +40,21 @@ OFFLOAD_MODES = ("none", "all", "auto")
 class StepResult:
     loss: torch.Tensor  # fp32 scalar: sum of CE over predicted tokens / num_tokens
     num_tokens: int  # predicted (non-ignored) tokens, over the whole batch
+    # evaluate(per_token=True): (B, T) fp32, entry p the cross entropy of token p predicted from
+    # tokens < p (NaN where nothing is predicted: p = 0 and labels of -100), and (B, T) int64, entry p
+    # the argmax prediction for token p (-1 at p = 0)
+    token_losses: torch.Tensor | None = None
+    predictions: torch.Tensor | None = None
+
+
+class Probe(Protocol):
+    """Called by evaluate(probe=...) for each chunk and layer, after the layer's projections and
+    before its attention: chunk c, layer i, the chunk's post-RoPE queries q (B, H, C, D) and keys
+    k (B, Hkv, C, D), the top-k Selection of the earlier pages (None for a dense layer) and
+    `earlier_keys()`, which copies the layer's earlier keys (B, Hkv, n * P, D) to the device."""
+
+    def __call__(self, c: int, i: int, q: torch.Tensor, k: torch.Tensor, selection: Selection | None,
+                 earlier_keys: Callable[[], torch.Tensor]) -> None: ...
 
 
 class ChunkRecurrentEngine(PagePlacement):
@@ -128,6 +145,8 @@ class ChunkRecurrentEngine(PagePlacement):
                                   sparse.chunk_budget if sparse is not None else 0)
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
+        self._dense_layers = sparse.dense_set(self.adapter.n_layers) if sparse is not None else frozenset()
+        self._probe: Probe | None = None  # evaluate(probe=...)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -194,30 +213,46 @@ class ChunkRecurrentEngine(PagePlacement):
         self._begin_step(batch, (n_chunks - 1) * (self.chunk_size // self.page_size))
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress=None) -> StepResult:
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress=None,
+                 per_token: bool = False, probe: Probe | None = None) -> StepResult:
         """Loss only (no gradients): one stage-1 pass over every chunk, LM head included;
-        progress(done, total) after each chunk."""
+        progress(done, total) after each chunk. per_token: also each token's cross entropy and
+        argmax prediction (StepResult.token_losses, .predictions). probe: see Probe (diagnostics
+        such as top-k selection recall; it reads, never changes, what the step computes)."""
         input_ids, labels, count, bounds = self._prepare(input_ids, labels)
-        batch = input_ids.shape[0]
+        batch, seq_len = input_ids.shape
         pages_per_chunk = self.chunk_size // self.page_size
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk, training=False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
+        token_losses = predictions = None
+        if per_token:
+            token_losses = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=self.device)
+            predictions = torch.full((batch, seq_len), -1, dtype=torch.long, device=self.device)
         lead = _HostLead(self.device)
         passes = _Passes(progress, len(bounds))
+        self._probe = probe
         try:
             for c, (start, end) in enumerate(bounds):
                 last = c == len(bounds) - 1
                 if not last:
                     self.store.alloc_chunk(c, c * pages_per_chunk, pages_per_chunk)
                 h = self._stage1_chunk(c, input_ids[:, start:end], start, store=not last, full=True)
-                ce_sum, _ = head_loss(self.adapter.norm, self.adapter.lm_head, h,
-                                      shifted_targets(labels, start, end), slice_tokens(self.adapter.vocab_size, batch))
-                total += ce_sum
+                targets = shifted_targets(labels, start, end)
+                step = slice_tokens(self.adapter.vocab_size, batch)
+                if per_token:  # position start + j predicts token start + j + 1
+                    ce, pred = head_token_losses(self.adapter.norm, self.adapter.lm_head, h, targets, step)
+                    n = min(end + 1, seq_len) - (start + 1)
+                    token_losses[:, start + 1 : start + 1 + n] = ce[:, :n]
+                    predictions[:, start + 1 : start + 1 + n] = pred[:, :n]
+                    total += ce.nan_to_num(0.0).sum()
+                else:
+                    total += head_loss(self.adapter.norm, self.adapter.lm_head, h, targets, step)[0]
                 lead.chunk_done()
                 passes.done()
         finally:
+            self._probe = None
             self.store.free_all()
-        return StepResult(loss=total / count, num_tokens=count)
+        return StepResult(loss=total / count, num_tokens=count, token_losses=token_losses, predictions=predictions)
 
     def _stage1(self, input_ids: torch.Tensor, bounds: list, rng_states: list, lead: "_HostLead",
                 passes: "_Passes") -> None:
@@ -275,6 +310,9 @@ class ChunkRecurrentEngine(PagePlacement):
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
             q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend, groups=ahead)
+            if self._probe is not None and first_page > 0 and not a.window(i):
+                self._probe(c, i, q, k, self._selection.get((c, i)),
+                            functools.partial(self.store.earlier_keys, i, first_page))
             if store:
                 self.store.write(i, first_page, k, v)
             if not attend:
@@ -359,7 +397,8 @@ class ChunkRecurrentEngine(PagePlacement):
         """The groups of earlier pages layer i of chunk c reads, when they are known before its
         projections (dense; sparse with a kept selection), else None."""
         window = self.adapter.window(i)
-        if self.sparse is None or window:  # sliding-window layers attend densely to the few pages they reach
+        # Sliding-window layers attend densely to the few pages they reach; dense_layers to all.
+        if self.sparse is None or window or i in self._dense_layers:
             return self.store.page_groups(i, n_pages, window=window)
         if (c, i) in self._selection:  # kept: its host copy is long done, the copy engines can move its pages
             return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,

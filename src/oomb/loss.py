@@ -105,6 +105,22 @@ def head_loss(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: tor
     return total, grad_h
 
 
+@torch.no_grad()
+def head_token_losses(norm: nn.Module, lm_head: nn.Module, h: torch.Tensor, targets: torch.Tensor,
+                      step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each position's cross entropy (fp32, NaN where the target is IGNORE_INDEX) and argmax
+    prediction, (B, C) each, `step` tokens per sequence at a time (evaluation: no gradients)."""
+    ce = torch.empty(targets.shape, dtype=torch.float32, device=h.device)
+    pred = torch.empty(targets.shape, dtype=torch.long, device=h.device)
+    for s in range(0, h.shape[1], step):
+        logits = lm_head(norm(h[:, s : s + step])).float()  # (B, S, V)
+        t = targets[:, s : s + step]
+        loss = F.cross_entropy(logits.transpose(1, 2), t, ignore_index=IGNORE_INDEX, reduction="none")
+        ce[:, s : s + step] = torch.where(t == IGNORE_INDEX, float("nan"), loss)
+        pred[:, s : s + step] = logits.argmax(dim=-1)
+    return ce, pred
+
+
 def head_weight(lm_head: nn.Module) -> torch.Tensor | None:
     """The LM head's weight when head_loss computes its gradient itself: a trainable plain
     nn.Linear without bias (else autograd does, a slice at a time)."""

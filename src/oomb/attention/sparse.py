@@ -31,6 +31,10 @@ class TopKPages:
     representative: str = "mean"  # 'mean' (MoBA) or 'minmax' (Quest)
     block_queries: int = 128  # queries that share one selection
     chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves), >= budget
+    # Layers that attend densely among the top-k ones (negative: from the last layer, -1 the last).
+    # Sparse training is known to hurt when only the last tokens carry loss (fine-tuning on long
+    # prompts); a few dense last layers are the published fix.
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("budget", "block_queries", "chunk_budget"):
@@ -44,6 +48,18 @@ class TopKPages:
                              "(the pages a chunk's blocks choose from)")
         if self.representative not in REPRESENTATIVES:
             raise ValueError(f"TopKPages(representative={self.representative!r}) must be one of {REPRESENTATIVES}")
+        if not isinstance(self.dense_layers, tuple) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in self.dense_layers):
+            raise ValueError(f"TopKPages(dense_layers={self.dense_layers!r}) must be a tuple of layer indices, "
+                             "e.g. (-2, -1) for the last two layers")
+
+    def dense_set(self, n_layers: int) -> frozenset[int]:
+        """The layers (0 .. n_layers - 1) that attend densely, negative indices resolved."""
+        bad = [i for i in self.dense_layers if not -n_layers <= i < n_layers]
+        if bad:
+            raise ValueError(f"TopKPages(dense_layers={self.dense_layers}): layer {bad[0]} does not exist in a model "
+                             f"of {n_layers} layers (valid: {-n_layers} .. {n_layers - 1})")
+        return frozenset(i % n_layers for i in self.dense_layers)
 
     @property
     def rep_size(self) -> int:

@@ -159,6 +159,17 @@ class HostPages:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return staged.transpose(0, 1)
 
+    def earlier_keys(self, layer: int, n_pages: int) -> torch.Tensor:
+        """(B, Hkv, n_pages * P, D) on the device: a copy of the layer's first n_pages keys."""
+        out = torch.empty((n_pages,) + self.arena[layer][0].shape[1:], dtype=self.spec.dtype, device=self.device)
+        with self._on_copy_stream(after_compute=True):  # after the writes queued on the same stream
+            out.copy_(self.arena[layer][0][:n_pages], non_blocking=True)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            out.record_stream(self.copy_stream)
+        n, b, h, p, d = out.shape
+        return out.permute(1, 2, 0, 3, 4).reshape(b, h, n * p, d)
+
     def _zero_pages(self, n: int) -> torch.Tensor:
         if self._zeros is None or self._zeros.shape[0] < n or self._zeros.shape[1] != self.batch:
             s = self.spec

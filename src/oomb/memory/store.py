@@ -47,9 +47,9 @@ class PagedKVStore:
         self.dk = self.dv = None  # gradient pools (None without gradient pages)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
         self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
-        # A host layer stages one group at a time: a sparse one its selection (sliding-window
-        # layers, the only dense ones of a sparse model, never go to the host), a dense one
-        # group_pages.
+        # A host layer stages one group at a time: a sparse one its selection, a dense one
+        # group_pages (the dense layers of a sparse model, TopKPages.dense_layers, a selection's
+        # worth of pages at a time; its sliding-window layers never go to the host).
         self.staged_pages = selected_pages or group_pages
         self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
@@ -181,7 +181,9 @@ class PagedKVStore:
         extra = {"window": window, "q_start": q_start}
         if layer not in self._row:
             return self.host.page_groups(layer, first, n_pages, extra)
-        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.group_pages)
+        # staged_pages: the dense layers of a sparse model group as their host copies must (a
+        # selection's worth), so every offload mode reads them alike (bitwise-equal gradients).
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.staged_pages)
 
     def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int,
                         copy_engines: bool = False):
@@ -208,6 +210,13 @@ class PagedKVStore:
         if layer not in self._row:
             return self.host.representatives(layer, n_pages)
         return self.reps[self._rep_row[layer], :, :n_pages]
+
+    def earlier_keys(self, layer: int, n_pages: int) -> torch.Tensor:
+        """(B, Hkv, n_pages * P, D): a copy, on the device, of the keys of the first n_pages pages of
+        a full-attention layer (diagnostics that need every key, e.g. selection recall)."""
+        if layer not in self._row:
+            return self.host.earlier_keys(layer, n_pages)
+        return from_pages(self.k[self.table[self._row[layer], :, :n_pages].long()])
 
     def chunk_grads(self, layer: int, first_page: int, n_pages: int) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
         """The function that gives the dK, dV later chunks accumulated for a chunk's own keys,
