@@ -5,13 +5,20 @@ measure. A local directory or hub id goes through transformers' `from_pretrained
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen2Config
+
+from .models.rope import apply_rope
 
 PRESETS = {
     # byte-level vocabulary, 4 layers: trains on CPU in seconds a step
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, rope_theta=10000.0),
+    # byte-level, Qwen2 shape, ~30M parameters, head_dim 128: the long-context quality study (bench/quality.py)
+    "byte-lm-30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
@@ -37,15 +44,34 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     return config_class(**{**PRESETS[name], **overrides})
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               **overrides):
-    """A preset with random weights, or a transformers checkpoint (local directory)."""
+def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling: str | None = None,
+                **overrides) -> PretrainedConfig:
+    """A preset's config or a local checkpoint's, with RoPE extended as asked (models/rope.py)."""
     if name_or_path in PRESETS:
         cfg = preset_config(name_or_path, **overrides)
+    else:
+        if "/" not in name_or_path:  # neither a path nor an org/name hub id: no hub round trip
+            raise ValueError(f"--model {name_or_path!r} is neither a preset nor a local checkpoint directory; "
+                             f"presets: {', '.join(PRESETS)}")
+        try:
+            cfg = AutoConfig.from_pretrained(name_or_path, **overrides)
+        except (OSError, ValueError) as e:
+            where = "a local directory without a usable config.json" if os.path.isdir(name_or_path) else \
+                "neither a preset nor a local checkpoint directory, and not reachable as a hub id"
+            raise ValueError(f"--model {name_or_path!r} is {where}; presets: {', '.join(PRESETS)} ({e})") from None
+    apply_rope(cfg, rope_theta, rope_scaling)
+    return cfg
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               rope_theta: float | None = None, rope_scaling: str | None = None, **overrides):
+    """A preset with random weights, or a transformers checkpoint (local directory); RoPE
+    extended by rope_theta / rope_scaling (models/rope.py)."""
+    cfg = load_config(name_or_path, rope_theta, rope_scaling, **overrides)
+    if name_or_path in PRESETS:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
     else:
-        cfg = AutoConfig.from_pretrained(name_or_path, **overrides)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=cfg, dtype=dtype).to(device)
     model.config.use_cache = False
     return model

@@ -20,6 +20,21 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
+def adapter_class(config, name: str = "") -> type[DecoderAdapter]:
+    """The adapter of a transformers config (or of the CausalLM class `name`), before any model exists."""
+    if not name:
+        from transformers import AutoModelForCausalLM
+
+        archs = getattr(config, "architectures", None) or []
+        name = next((a for a in archs if a in ADAPTERS), "")
+        if not name:
+            mapped = AutoModelForCausalLM._model_mapping.get(type(config), None)
+            name = mapped.__name__ if mapped is not None else type(config).__name__
+    if name not in ADAPTERS:
+        raise TypeError(f"{name} is not supported by oomb; supported model classes: {', '.join(sorted(ADAPTERS))}")
+    return ADAPTERS[name]
+
+
 def adapter_for(model: nn.Module) -> DecoderAdapter:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers causal LM (torch.nn.Module), got {type(model).__name__}")

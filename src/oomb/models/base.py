@@ -27,6 +27,8 @@ class DecoderAdapter:
     supported_layer_types: ClassVar[tuple[str, ...]] = ("full_attention",)
     #: whether torch.compile may fuse the layer pieces (compile())
     compilable: ClassVar[bool] = True
+    #: RoPE scaling types `--rope-scaling` may set (models/rope.py)
+    rope_types: ClassVar[tuple[str, ...]] = ("linear", "dynamic", "yarn", "llama3")
 
     def __init__(self, causal_lm: nn.Module) -> None:
         self.causal_lm = causal_lm

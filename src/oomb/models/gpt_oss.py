@@ -11,6 +11,7 @@ class GptOssAdapter(DecoderAdapter):
     compilable = False  # the experts' routing makes data-dependent shapes
     apply_rope = staticmethod(apply_rotary_pos_emb)
     supported_layer_types = ("full_attention", "sliding_attention")
+    rope_types = ("yarn",)  # trained with YaRN: a larger factor extends it, another type would discard it
 
     def window(self, layer_idx: int) -> int:
         return self.config.sliding_window if self.config.layer_types[layer_idx] == "sliding_attention" else 0
