@@ -6,9 +6,9 @@ from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaFor
 VOCAB = 97
 
 
-def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2):
+def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2, vocab: int = VOCAB):
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=4096,
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, max_position_embeddings=4096,
                   attention_dropout=0.0)
     if family == "qwen2":  # q/k/v biases, GQA 4:2... here 4 query heads per KV head
         cfg = Qwen2Config(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=1,

@@ -106,31 +106,98 @@ def lora_params(config, rank: int, tp: int = 1) -> int:
     return config.num_hidden_layers * per_layer
 
 
+EVAL_TASKS = ("loss", "position-loss", "retrieval", "selection-recall")
+
+
+def eval_batches(args, vocab: int):
+    """The evaluated sequences: a token file's first windows of seq_len (non-overlapping, the same
+    every run), or `args.batches` generated batches of the copy task."""
+    from itertools import islice
+
+    from .train.data import copy_task, load_tokens, windows
+
+    if args.data == "copy":
+        return list(islice(copy_task(vocab, args.seq_len, args.batch, seed=args.seed), args.batches))
+    data = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
+    return list(windows(data, args.seq_len, args.batch, args.batches * args.batch))
+
+
 def cmd_eval(args) -> None:
     from .attention.sparse import TopKPages
     from .engine import ChunkRecurrentEngine
+    from .eval import plots, tasks
+    from .models.rope import check_positions
     from .presets import load_model
-    from .train.data import make_data
-    from .train.metrics import chunk_progress
-    from .train.trainer import resolve_device
+    from .train.data import load_tokens
+    from .train.metrics import ChunkBars
+    from .train.trainer import codec_for, parse_layers, resolve_device
 
+    if args.task not in EVAL_TASKS:
+        raise ValueError(f"--task {args.task!r} is not one of {', '.join(EVAL_TASKS)}")
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)  # a preset's random weights, the same every run
-    model = load_model(args.model, dtype=dtype, device=device).eval()
+    model = load_model(args.model, dtype=dtype, device=device, rope_theta=args.rope_theta,
+                       rope_scaling=args.rope_scaling or None).eval()
+    longest = max(args.lengths) if args.task == "retrieval" else args.seq_len
+    check_positions(model.config, longest, args.rope_theta, args.rope_scaling)
+    sparse = None
+    if args.sparse_budget:
+        sparse = TopKPages(budget=args.sparse_budget, chunk_budget=max(args.sparse_chunk_budget, args.sparse_budget),
+                           sink_pages=args.sparse_sink_pages, representative=args.sparse_representative,
+                           dense_layers=parse_layers(args.sparse_dense_layers))
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
-                                  kv_grad_dtype=None,  # no backward: pages without dK/dV
-                                  sparse=TopKPages(budget=args.sparse_budget) if args.sparse_budget else None)
-    data = make_data(args.data, engine.adapter.vocab_size, args.seq_len, 1, seed=args.seed, dtype=args.data_dtype)
-    total = tokens = 0
-    for i in range(args.batches):
-        ids, labels = next(data)
-        with chunk_progress(f"batch {i + 1}/{args.batches}") as progress:
-            r = engine.evaluate(ids, labels, progress=progress)
-        total += float(r.loss) * r.num_tokens
-        tokens += r.num_tokens
-    print(json.dumps({"model": args.model, "data": args.data, "seq_len": args.seq_len, "tokens": tokens,
-                      "loss": total / tokens}))
+                                  backend=args.backend, sparse=sparse, kv_grad_dtype=None)  # no backward: no dK/dV
+    vocab = engine.adapter.vocab_size
+    bar = ChunkBars("sequence batch")
+    try:
+        if args.task == "loss":
+            result = tasks.mean_loss(engine, eval_batches(args, vocab), bar)
+        elif args.task == "position-loss":
+            starts = [parse_tokens(x) for x in args.buckets.split(",")] if args.buckets else None
+            result = tasks.position_loss(engine, eval_batches(args, vocab), args.seq_len, starts, bar)
+        elif args.task == "selection-recall":
+            result = tasks.selection_recall(engine, eval_batches(args, vocab), args.seq_len, args.recall_chunks,
+                                            args.recall_blocks, args.seed, bar)
+        else:
+            haystack = None if args.data == "copy" else load_tokens(args.data, vocab, max(args.lengths),
+                                                                     args.data_dtype)
+            codec = codec_for(args.tokenizer, args.model, vocab)
+            result = tasks.retrieval(engine, haystack, codec, args.lengths, args.depths, args.samples,
+                                     args.needle_template.replace("\\n", "\n"), args.seed, args.batch, bar)
+    finally:
+        bar.close()
+    result = {**result, "model": args.model, "data": args.data,
+              "attention": f"top-{args.sparse_budget}" if args.sparse_budget else "dense"}
+    _print_eval(result)
+    if args.plot:
+        label = f"{args.model} ({result['attention']})"
+        {"position-loss": lambda: plots.position_loss({label: result}, args.plot),
+         "retrieval": lambda: plots.retrieval(result, args.plot, f"retrieval: {label}"),
+         "selection-recall": lambda: plots.selection_recall({label: result}, args.plot),
+         "loss": lambda: None}[args.task]()
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
+
+
+def _print_eval(r: dict) -> None:
+    head = f"{r['task']}: {r['model']} on {r['data']}, {r['attention']} attention"
+    if r["task"] == "loss":
+        print(f"{head}: loss {r['loss']:.4f} over {r['tokens']:,} tokens")
+    elif r["task"] == "position-loss":
+        print(f"{head}: loss {r['loss']:.4f} over {r['tokens']:,} tokens; by position:")
+        for b in r["buckets"]:
+            print(f"  [{b['start']:>9,}, {b['end']:>9,})  {b['tokens']:>10,} tokens  loss {b['loss']:.4f}")
+    elif r["task"] == "retrieval":
+        print(f"{head}: mean accuracy {r['mean_accuracy']:.3f} ({r['samples']} samples a cell)")
+        print("  length \\ depth " + "".join(f"{d:>7g}" for d in r["depths"]))
+        for n, row in zip(r["lengths"], r["accuracy"]):
+            print(f"  {n:>14,} " + "".join(f"{a:>7.2f}" for a in row))
+    else:
+        print(f"{head}: recall {r['recall']:.4f}, of the earlier pages' mass {r['earlier_recall']:.4f}")
+        for x in r["layers"]:
+            print(f"  layer {x['layer']:>3}  recall {x['recall']:.4f}  earlier {x['earlier_recall']:.4f}  "
+                  f"({x['blocks']} blocks)")
 
 
 def cmd_tokenize(args) -> None:
@@ -143,6 +210,7 @@ def cmd_tokenize(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     from .train.config import TrainConfig
     from .train.data import BIN_DTYPES
+    from .train.needles import DEFAULT_TEMPLATE
 
     parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -185,20 +253,44 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--json", action="store_true")
     p_plan.set_defaults(func=cmd_plan)
 
-    p_eval = sub.add_parser("eval", help="loss of a model on data, no gradients")
+    p_eval = sub.add_parser("eval", help="evaluate a model: loss, loss by position, needle retrieval, top-k recall")
+    p_eval.add_argument("--task", default="loss", help=f"one of {', '.join(EVAL_TASKS)} (default: loss)")
     p_eval.add_argument("--model", default="tiny")
-    p_eval.add_argument("--data", default="copy", help="copy, a .npy token file or a .bin file")
-    p_eval.add_argument("--data-dtype", choices=BIN_DTYPES, default="uint16",
-                        help="of a .bin file's token ids")
+    p_eval.add_argument("--data", default="copy",
+                        help="copy, or a .npy / .bin token file: its first non-overlapping windows of --seq-len "
+                             "(retrieval: the text the needles hide in)")
+    p_eval.add_argument("--data-dtype", choices=BIN_DTYPES, default="uint16", help="of a .bin file's token ids")
     p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
-    p_eval.add_argument("--batches", type=int, default=4)
+    p_eval.add_argument("--batches", type=int, default=4, help="evaluate calls (token files: windows / --batch)")
+    p_eval.add_argument("--batch", type=int, default=1, help="sequences per evaluate call")
     p_eval.add_argument("--chunk-size", type=int, default=1024)
     p_eval.add_argument("--page-size", type=int, default=128)
+    p_eval.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p_eval.add_argument("--offload", choices=["none", "all", "auto"], default="auto",
                         help="where K/V pages live (auto: the GPU while they fit, then the host)")
     p_eval.add_argument("--sparse-budget", type=int, default=0, help="> 0: top-k sparse attention over this many pages")
+    p_eval.add_argument("--sparse-chunk-budget", type=int, default=256)
+    p_eval.add_argument("--sparse-sink-pages", type=int, default=1)
+    p_eval.add_argument("--sparse-representative", choices=["mean", "minmax"], default="mean")
+    p_eval.add_argument("--sparse-dense-layers", default="", help="layers attending densely among top-k ones, e.g. -2,-1")
+    p_eval.add_argument("--rope-theta", type=float, default=None, help="a new RoPE base (context extension)")
+    p_eval.add_argument("--rope-scaling", default="", help="TYPE:FACTOR, TYPE one of linear, dynamic, yarn, llama3")
+    p_eval.add_argument("--buckets", default="", help="position-loss: bucket starts, e.g. 0,1024,4096 (default: "
+                                                      "0 and powers of two up to seq_len)")
+    p_eval.add_argument("--lengths", type=lambda t: [parse_tokens(x) for x in t.split(",")], default=[4096],
+                        help="retrieval: context lengths, e.g. 16K,64K,256K")
+    p_eval.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0, 0.25, 0.5, 0.75, 1],
+                        help="retrieval: needle depths (0: start, 1: end)")
+    p_eval.add_argument("--samples", type=int, default=4, help="retrieval: sequences per (length, depth)")
+    p_eval.add_argument("--needle-template", default=DEFAULT_TEMPLATE,
+                        help="retrieval: the needle, with {key} then {value}; the query is its text up to {value}")
+    p_eval.add_argument("--tokenizer", default="", help="retrieval: 'bytes' or a checkpoint (default: the model's)")
+    p_eval.add_argument("--recall-chunks", type=int, default=8, help="selection-recall: chunks sampled per sequence")
+    p_eval.add_argument("--recall-blocks", type=int, default=4, help="selection-recall: query blocks per chunk")
     p_eval.add_argument("--device", default="auto")
     p_eval.add_argument("--seed", type=int, default=1)
+    p_eval.add_argument("--json", action="store_true", help="the result as one JSON object, the last line of stdout")
+    p_eval.add_argument("--plot", default="", help="write a PNG of the result here")
     p_eval.set_defaults(func=cmd_eval)
 
     p_tok = sub.add_parser("tokenize", help="text (.txt, .jsonl) -> a .npy token file for --data")

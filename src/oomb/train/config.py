@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
 from .data import BIN_DTYPES
+from .needles import DEFAULT_TEMPLATE
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 
@@ -39,6 +40,19 @@ class TrainConfig:
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
+    sparse_sink_pages: int = 1  # the first pages every query block attends
+    sparse_representative: str = "mean"  # mean | minmax: how a page is scored against a query block
+    sparse_dense_layers: str = ""  # layers that attend densely among the top-k ones, e.g. "-2,-1" (the last two)
+    # context extension (models/rope.py): a new RoPE base, and/or TYPE:FACTOR scaling (linear, dynamic, yarn,
+    # llama3), written into the model config's rope_parameters and kept in the exported checkpoint
+    rope_theta: float | None = None
+    rope_scaling: str = ""
+    # key-value needles (train/needles.py) in a share of the training sequences, so retrieval is learnable
+    needle_rate: float = 0.0
+    needles_per_sequence: int = 4
+    needle_template: str = DEFAULT_TEMPLATE
+    tokenizer: str = ""  # encodes needles: 'bytes' (byte-level models) or a checkpoint; default: the model's own
+    loss_last: int = 0  # > 0: only the last this many tokens of each sequence carry loss (a long prompt, then the answer)
     liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
     # none | tensorwise | rowwise: the decoder layers' projections as torchao float8 GEMMs (SM 8.9+ GPUs),
     # scaled per chunk by that recipe (oomb.models.float8)
@@ -88,6 +102,15 @@ class TrainConfig:
         if self.sparse_budget and self.sparse_chunk_budget < self.sparse_budget:
             raise ValueError(f"sparse_chunk_budget={self.sparse_chunk_budget} must be >= sparse_budget="
                              f"{self.sparse_budget}")
+        if self.needle_rate < 0 or self.needle_rate > 1:
+            raise ValueError(f"needle_rate={self.needle_rate} must be between 0 and 1 (the share of sequences with "
+                             "needles)")
+        if not 0 <= self.loss_last < self.seq_len:
+            raise ValueError(f"loss_last={self.loss_last} must be >= 0 and < seq_len={self.seq_len} (0: every token "
+                             "carries loss)")
+        if self.rope_theta is not None and self.rope_theta <= 0:
+            raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
+        self.needle_template = self.needle_template.replace("\\n", "\n")  # as typed on a command line
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.kept_host_gib is not None and self.kept_host_gib < 0:

@@ -67,16 +67,68 @@ def token_file(data: np.ndarray, seq_len: int, batch: int, seed: int = 0) -> Ite
         yield ids, ids
 
 
-def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int = 0, dtype: str = "uint16"):
-    if source == "copy":
-        return copy_task(vocab_size, seq_len, batch, seed)
+def windows(data: np.ndarray, seq_len: int, batch: int, limit: int | None = None
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Non-overlapping windows of seq_len tokens from the array's start, `batch` at a time (the
+    same every run: evaluation). (len - 1) // seq_len windows, at most `limit`; the last batch
+    may be smaller."""
+    n = (len(data) - 1) // seq_len if limit is None else min(limit, (len(data) - 1) // seq_len)
+    for first in range(0, n, batch):
+        ids = torch.from_numpy(np.stack([data[w * seq_len : (w + 1) * seq_len].astype(np.int64)
+                                         for w in range(first, min(n, first + batch))]))
+        yield ids, ids
+
+
+def load_tokens(source: str, vocab_size: int, seq_len: int, dtype: str = "uint16", what: str = "--data") -> np.ndarray:
+    """A token file, checked, with at least one window of seq_len tokens (seq_len + 1 of them)."""
     if not Path(source).is_file():
-        raise ValueError(f"--data {source!r} is neither 'copy' (built-in) nor a file of token ids (.npy or .bin)")
+        raise ValueError(f"{what} {source!r} is neither 'copy' (built-in) nor a file of token ids (.npy or .bin)")
     data = open_tokens(source, vocab_size, dtype)
     if len(data) <= seq_len:
         raise ValueError(f"{source} holds {len(data):,} tokens, fewer than seq_len={seq_len:,} + 1; "
                          "use a shorter --seq-len or more data")
-    return token_file(data, seq_len, batch, seed)
+    return data
+
+
+def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int = 0, dtype: str = "uint16",
+              needles=None):
+    """Endless training batches of `source` ('copy' or a token file); `needles` (NeedleMix) puts
+    key-value needles into a share of the sequences."""
+    if source == "copy":
+        stream = copy_task(vocab_size, seq_len, batch, seed)
+    else:
+        stream = token_file(load_tokens(source, vocab_size, seq_len, dtype), seq_len, batch, seed)
+    return stream if needles is None else needles.mix(stream, seed)
+
+
+class NeedleMix:
+    """A share `rate` of the sequences carry `per_sequence` key-value needles at random depths and
+    their queries at the end (train/needles.py), so that retrieval over the whole context is
+    learnable from scratch; the others are left as they are."""
+
+    def __init__(self, codec, template: str, rate: float, per_sequence: int = 4) -> None:
+        from .needles import check_template
+
+        if not 0 < rate <= 1:
+            raise ValueError(f"needle_rate={rate} must be in (0, 1]")
+        if per_sequence < 1:
+            raise ValueError(f"needles per sequence={per_sequence} must be >= 1")
+        check_template(template)
+        self.codec, self.template, self.rate, self.per_sequence = codec, template, rate, per_sequence
+
+    def mix(self, stream, seed: int):
+        from .needles import make_needle, with_needles
+
+        rng = np.random.default_rng([seed, 7_741])
+        for ids, labels in stream:
+            ids = ids.clone()
+            for b in range(ids.shape[0]):
+                if rng.random() >= self.rate:
+                    continue
+                needles = [make_needle(self.codec, self.template, rng) for _ in range(self.per_sequence)]
+                row, _ = with_needles(ids[b].numpy(), needles, list(rng.random(self.per_sequence)), ids.shape[1])
+                ids[b] = torch.from_numpy(row)
+            yield ids, ids
 
 
 def tokenize(model: str, inputs: list[str], output: str, text_field: str = "text") -> int:

@@ -71,3 +71,25 @@ def chunk_progress(desc: str, enabled: bool = True):
     finally:
         if bar is not None:
             bar.close()
+
+
+class ChunkBars:
+    """progress(done, total) for a series of engine calls: one tqdm bar of chunk passes per call
+    (a new one when a call starts, closed when it ends; off when stderr is not a TTY)."""
+
+    def __init__(self, desc: str) -> None:
+        self.desc, self.calls, self.bar = desc, 0, None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            self.calls += 1
+            self.bar = tqdm(total=total, desc=f"{self.desc} {self.calls}", unit="chunk", leave=False, disable=None,
+                            dynamic_ncols=True)
+        self.bar.update(done - self.bar.n)
+        if done >= total:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

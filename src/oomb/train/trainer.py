@@ -15,10 +15,11 @@ from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
                         init_distributed, local_tensor)
+from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
-from .data import make_data
+from .data import NeedleMix, load_tokens, make_data, windows
 from .metrics import StepLogger, chunk_progress
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -36,7 +37,9 @@ def resolve_device(name: str) -> torch.device:
 def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
              "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    model = load_model(cfg.model, dtype=dtype, device=device)
+    model = load_model(cfg.model, dtype=dtype, device=device, rope_theta=cfg.rope_theta,
+                       rope_scaling=cfg.rope_scaling or None)
+    check_positions(model.config, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
     model.train()
     if cfg.liger:
         apply_liger(model)  # before LoRA wraps the projections: Liger patches the norm and MLP modules
@@ -54,7 +57,36 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
 def sparse_config(cfg: TrainConfig) -> TopKPages | None:
     if not cfg.sparse_budget:
         return None
-    return TopKPages(budget=cfg.sparse_budget, chunk_budget=cfg.sparse_chunk_budget)
+    return TopKPages(budget=cfg.sparse_budget, chunk_budget=cfg.sparse_chunk_budget, sink_pages=cfg.sparse_sink_pages,
+                     representative=cfg.sparse_representative, dense_layers=parse_layers(cfg.sparse_dense_layers))
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'-2,-1' -> (-2, -1)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"sparse_dense_layers={text!r} must be comma-separated layer indices, e.g. -2,-1") from None
+
+
+def codec_for(tokenizer: str, model: str, vocab_size: int):
+    """What encodes needle text for this model: --tokenizer, else the checkpoint's own tokenizer,
+    else bytes for a byte-level vocabulary (a preset, or a checkpoint trained on bytes)."""
+    from ..presets import PRESETS
+    from .needles import make_codec
+
+    if tokenizer:
+        return make_codec(tokenizer, vocab_size)
+    if model not in PRESETS:
+        try:
+            return make_codec(model, vocab_size)
+        except ValueError:
+            if vocab_size != 256:
+                raise
+    if vocab_size != 256:
+        raise ValueError(f"{model} has no tokenizer and a vocabulary of {vocab_size:,}, not bytes: pass --tokenizer "
+                         "(a checkpoint directory with tokenizer files)")
+    return make_codec("bytes", vocab_size)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -122,6 +154,12 @@ def lost_update_fraction(params: list, lr: float) -> float:
     return int(frozen) / total  # one device sync
 
 
+def rope_summary(config) -> str:
+    p = getattr(config, "rope_parameters", None) or {}
+    extra = f" x{p['factor']:g}" if "factor" in p else ""
+    return f"RoPE {p.get('rope_type', 'default')}{extra} theta {p.get('rope_theta', 0):g}, "
+
+
 def kept_attention(engine: ChunkRecurrentEngine) -> str:
     """What the engine keeps of stage 1's attention (for the run's first line)."""
     kept = engine.kept
@@ -133,8 +171,17 @@ def kept_attention(engine: ChunkRecurrentEngine) -> str:
 def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
     same tokens and their losses compare (each data-parallel rank its own share)."""
-    data = make_data(cfg.eval_data or cfg.data, vocab, cfg.seq_len, cfg.batch,
-                     seed=cfg.seed + 7_919 + 100_003 * dp_rank, dtype=cfg.data_dtype)
+    source = cfg.eval_data or cfg.data
+    if cfg.eval_data and source != "copy":  # a held-out file: its first windows, each rank its own
+        data = load_tokens(source, vocab, cfg.seq_len, cfg.data_dtype, "--eval-data")
+        first = dp_rank * cfg.eval_batches * cfg.batch
+        need = first + cfg.eval_batches * cfg.batch
+        if (len(data) - 1) // cfg.seq_len < need:
+            raise ValueError(f"--eval-data {source} holds {(len(data) - 1) // cfg.seq_len} windows of seq_len="
+                             f"{cfg.seq_len:,}; {need} are needed (eval_batches x batch x data-parallel ranks)")
+        return list(windows(data[first * cfg.seq_len :], cfg.seq_len, cfg.batch, cfg.eval_batches * cfg.batch))
+    data = make_data(source, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 7_919 + 100_003 * dp_rank,
+                     dtype=cfg.data_dtype)
     return [next(data) for _ in range(cfg.eval_batches)]
 
 
@@ -200,8 +247,12 @@ def train(cfg: TrainConfig) -> list[float]:
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
+    needles = None
+    if cfg.needle_rate:
+        needles = NeedleMix(codec_for(cfg.tokenizer, cfg.model, vocab), cfg.needle_template, cfg.needle_rate,
+                            cfg.needles_per_sequence)
     data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank,
-                     dtype=cfg.data_dtype)
+                     dtype=cfg.data_dtype, needles=needles)
     held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -225,6 +276,10 @@ def train(cfg: TrainConfig) -> list[float]:
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
               f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
+              f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
+              f"{rope_summary(model.config) if cfg.rope_theta or cfg.rope_scaling else ''}"
+              f"{f'needles in {cfg.needle_rate:.0%} of sequences, ' if cfg.needle_rate else ''}"
+              f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
               f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
               f"{'compiled layers, ' if cfg.compile_layers else ''}{kept_attention(engine)}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
@@ -235,6 +290,9 @@ def train(cfg: TrainConfig) -> list[float]:
     losses = []
     while step < cfg.steps:
         micro = [next(data) for _ in range(cfg.grad_accum)]
+        if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
+            micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
+                                      labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
         for input_ids, _ in micro:
             if int(input_ids.max()) >= vocab:
                 raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size={vocab}; "

@@ -1,0 +1,224 @@
+"""Long-context evaluation tasks, each through the engine's evaluation path (one stage-1 pass per
+sequence: pages, offload and top-k sparse attention as in training, so they run at 1M tokens).
+
+    loss              mean cross entropy per predicted token
+    position-loss     mean cross entropy by the target's position in the sequence: a model that
+                      uses its context keeps lowering it further along
+    retrieval         key-value needles at given depths of held-out text, queried at the end: a
+                      hit when every value token is the argmax prediction (teacher-forced)
+    selection-recall  top-k models: the share of the exact softmax attention mass that falls on
+                      what top-k attends (its selected pages and the chunk itself), per layer
+
+Each returns a JSON-ready dict with "task" naming it.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+
+from ..engine import ChunkRecurrentEngine
+from ..loss import IGNORE_INDEX
+from ..train.needles import DEFAULT_TEMPLATE, hits, make_needle, with_needles
+
+Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+
+
+def mean_loss(engine: ChunkRecurrentEngine, batches: Batches, progress=None) -> dict:
+    total, tokens = 0.0, 0
+    for ids, labels in batches:
+        r = engine.evaluate(ids, labels, progress=progress)
+        total += float(r.loss) * r.num_tokens
+        tokens += r.num_tokens
+    if not tokens:
+        raise ValueError("no tokens to evaluate")
+    return {"task": "loss", "tokens": tokens, "loss": total / tokens}
+
+
+def default_buckets(seq_len: int) -> list[int]:
+    """Bucket starts 0, 1, 2, 4, ... (powers of two below seq_len); the last bucket ends at seq_len."""
+    return [0] + [2**k for k in range(int(math.log2(max(1, seq_len - 1))) + 1) if 2**k < seq_len]
+
+
+def check_buckets(starts: list[int], seq_len: int) -> list[int]:
+    if not starts or starts != sorted(set(starts)) or starts[0] < 0 or starts[-1] >= seq_len:
+        raise ValueError(f"--buckets {','.join(map(str, starts))}: bucket starts must be increasing, >= 0 and < "
+                         f"seq_len={seq_len:,} (the last bucket ends at seq_len)")
+    return starts
+
+
+def position_loss(engine: ChunkRecurrentEngine, batches: Batches, seq_len: int, starts: list[int] | None = None,
+                  progress=None) -> dict:
+    """Mean cross entropy of the targets at positions [start, end) of each bucket (position p: the
+    token at p predicted from tokens < p; p = 0 is never a target); empty buckets are left out."""
+    starts = check_buckets(starts if starts is not None else default_buckets(seq_len), seq_len)
+    edges = starts + [seq_len]
+    sums = np.zeros(len(starts), dtype=np.float64)
+    counts = np.zeros(len(starts), dtype=np.int64)
+    for ids, labels in batches:
+        if ids.shape[1] != seq_len:
+            raise ValueError(f"a batch of {ids.shape[1]} tokens; position-loss compares sequences of seq_len={seq_len}")
+        ce = engine.evaluate(ids, labels, progress=progress, per_token=True).token_losses
+        valid = ~torch.isnan(ce)
+        for j in range(len(starts)):
+            part, ok = ce[:, edges[j] : edges[j + 1]], valid[:, edges[j] : edges[j + 1]]
+            sums[j] += float(part[ok].double().sum())
+            counts[j] += int(ok.sum())
+    if not counts.sum():
+        raise ValueError("no tokens to evaluate")
+    buckets = [{"start": edges[j], "end": edges[j + 1], "tokens": int(counts[j]), "loss": sums[j] / counts[j]}
+               for j in range(len(starts)) if counts[j]]
+    return {"task": "position-loss", "seq_len": seq_len, "tokens": int(counts.sum()),
+            "loss": float(sums.sum() / counts.sum()), "buckets": buckets}
+
+
+def retrieval(engine: ChunkRecurrentEngine, haystack: np.ndarray | None, codec, lengths: list[int],
+              depths: list[float], samples: int = 4, template: str = DEFAULT_TEMPLATE, seed: int = 0,
+              batch: int = 0, progress=None) -> dict:
+    """Key-value needle retrieval: for each length and depth, `samples` sequences of held-out text
+    (sample s of length L: the haystack's window [s L, (s + 1) L)), one needle at the depth and its
+    query at the end. `haystack` None: random tokens (tests). batch: sequences per evaluate call
+    (0: all samples of a cell at once)."""
+    for d in depths:
+        if not 0 <= d <= 1:
+            raise ValueError(f"--depths {d}: depths are fractions of the context, 0 (start) to 1 (end)")
+    need = max(lengths) * samples
+    if haystack is not None and len(haystack) < need:
+        raise ValueError(f"the haystack file holds {len(haystack):,} tokens; {samples} samples at {max(lengths):,} "
+                         f"tokens need {need:,}: use fewer --samples, shorter --lengths or a larger file")
+    vocab = engine.adapter.vocab_size
+    grid, cells = [], []
+    for length in lengths:
+        row = []
+        for depth in depths:
+            seqs, answers = retrieval_cell(haystack, codec, template, length, depth, samples, seed, vocab)
+            found, losses = [], []
+            step = batch or samples
+            for first in range(0, samples, step):
+                ids = torch.from_numpy(np.stack(seqs[first : first + step]))
+                labels = torch.full_like(ids, IGNORE_INDEX)
+                for b, (s0, s1) in enumerate(answers[first : first + step]):
+                    labels[b, s0:s1] = ids[b, s0:s1]
+                r = engine.evaluate(ids, labels, progress=progress, per_token=True)
+                pred, ce = r.predictions.cpu().numpy(), r.token_losses.cpu().numpy()
+                for b, span in enumerate(answers[first : first + step]):
+                    found += hits(pred[b], ids[b].numpy(), [span])
+                    losses.append(float(np.nanmean(ce[b, span[0] : span[1]])))
+            accuracy = sum(found) / samples
+            row.append(accuracy)
+            cells.append({"length": length, "depth": depth, "samples": samples, "hits": int(sum(found)),
+                          "accuracy": accuracy, "answer_loss": float(np.mean(losses))})
+        grid.append(row)
+    return {"task": "retrieval", "lengths": lengths, "depths": depths, "samples": samples, "template": template,
+            "accuracy": grid, "mean_accuracy": float(np.mean(grid)), "cells": cells}
+
+
+def retrieval_cell(haystack: np.ndarray | None, codec, template: str, length: int, depth: float, samples: int,
+                   seed: int, vocab: int) -> tuple[list[np.ndarray], list[tuple[int, int]]]:
+    """The sequences of one (length, depth) cell and each one's answer span: sample s hides one
+    needle (drawn from a generator seeded by seed, length, depth and s) in the haystack's window
+    [s length, (s + 1) length), or in random tokens when there is no haystack."""
+    seqs, answers = [], []
+    for s in range(samples):
+        rng = np.random.default_rng([seed, length, round(depth * 10_000), s])
+        text = haystack[s * length : (s + 1) * length] if haystack is not None else rng.integers(0, vocab, length)
+        tokens, spans = with_needles(np.asarray(text), [make_needle(codec, template, rng)], [depth], length)
+        seqs.append(tokens)
+        answers.append(spans[0])
+    return seqs, answers
+
+
+class RecallProbe:
+    """An engine probe (ChunkRecurrentEngine.Probe) that measures, for sampled query blocks of
+    sampled chunks, how much of the exact attention distribution top-k keeps.
+
+    For a query, with p its exact softmax over every key it may see (the earlier pages and the
+    chunk's own keys up to itself), `recall` is the mass on what top-k attends (its block's
+    selected pages and the chunk's own keys) and `earlier_recall` the share of the mass on
+    earlier pages that falls on the selected ones. Earlier keys are read a slice at a time and
+    combined by log-sum-exp, so a probe at 1M tokens needs one slice's scores."""
+
+    def __init__(self, chunks: set[int], blocks: int, block_queries: int, page_size: int, scale: float,
+                 seed: int = 0, key_slice: int = 32_768) -> None:
+        self.chunks, self.blocks, self.block_queries = chunks, blocks, block_queries
+        self.page_size, self.scale, self.key_slice = page_size, scale, key_slice
+        self.rng = np.random.default_rng(seed)
+        self.rows: list[dict] = []  # one per (chunk, layer, block)
+
+    def __call__(self, c, i, q, k, selection, earlier_keys) -> None:
+        if selection is None or c not in self.chunks:
+            return
+        n_blocks = -(-q.shape[2] // self.block_queries)
+        picks = sorted(self.rng.choice(n_blocks, min(self.blocks, n_blocks), replace=False).tolist())
+        keys = earlier_keys()  # (B, Hkv, n * P, D)
+        logical = selection.logical().long()  # (B, Hkv, n_blocks, budget)
+        for blk in picks:
+            self.rows.append({"chunk": c, "layer": i, "block": blk,
+                              **self._block(q, k, keys, logical[:, :, blk], blk)})
+
+    def _block(self, q, k, keys, picks, blk) -> dict:
+        b, h, c, d = q.shape
+        n_kv = k.shape[1]
+        lo, hi = blk * self.block_queries, min(c, (blk + 1) * self.block_queries)
+        qb = q[:, :, lo:hi].float().reshape(b, n_kv, h // n_kv, hi - lo, d)
+        n_keys = keys.shape[2]
+        page_of = torch.arange(n_keys, device=q.device) // self.page_size
+        chosen = torch.zeros((b, n_kv, n_keys // self.page_size + 1), dtype=torch.bool, device=q.device)
+        chosen.scatter_(2, picks.clamp(max=n_keys // self.page_size), True)
+        chosen = chosen[:, :, page_of]  # (B, Hkv, n_keys): key in a selected page
+        neg = torch.tensor(float("-inf"), device=q.device)
+        lse_all = lse_sel = torch.full(qb.shape[:-1], float("-inf"), device=q.device)
+        for s in range(0, n_keys, self.key_slice):
+            scores = torch.einsum("bkgqd,bknd->bkgqn", qb, keys[:, :, s : s + self.key_slice].float()) * self.scale
+            lse_all = torch.logaddexp(lse_all, scores.logsumexp(-1))
+            sel = torch.where(chosen[:, :, None, None, s : s + self.key_slice], scores, neg)
+            lse_sel = torch.logaddexp(lse_sel, sel.logsumexp(-1))
+        own = torch.einsum("bkgqd,bknd->bkgqn", qb, k[:, :, :hi].float()) * self.scale  # causal: key <= query
+        causal = torch.arange(hi, device=q.device)[None, :] <= torch.arange(lo, hi, device=q.device)[:, None]
+        lse_own = torch.where(causal, own, neg).logsumexp(-1)
+        total = torch.logaddexp(lse_all, lse_own)
+        recall = torch.exp(lse_sel - total) + torch.exp(lse_own - total)
+        earlier = torch.exp(lse_sel - lse_all)
+        return {"recall": float(recall.mean()), "earlier_recall": float(earlier.mean()),
+                "earlier_mass": float(torch.exp(lse_all - total).mean())}
+
+
+def recall_chunks(seq_len: int, chunk_size: int, page_size: int, budget: int, n: int) -> set[int]:
+    """Up to n chunks, evenly spread, among those whose earlier pages outnumber the budget (in
+    the others top-k keeps every page)."""
+    pages = chunk_size // page_size
+    eligible = [c for c in range(1, -(-seq_len // chunk_size)) if c * pages > budget]
+    if not eligible:
+        raise ValueError(f"seq_len={seq_len:,} has no chunk with more than budget={budget} earlier pages: top-k "
+                         "keeps every page, recall is 1; use a longer --seq-len")
+    if len(eligible) <= n:
+        return set(eligible)
+    return {eligible[round(j * (len(eligible) - 1) / max(1, n - 1))] for j in range(n)}
+
+
+def selection_recall(engine: ChunkRecurrentEngine, batches: Batches, seq_len: int, chunks: int = 8,
+                     blocks: int = 4, seed: int = 0, progress=None) -> dict:
+    """Per layer, the mean recall over sampled query blocks (RecallProbe) of `chunks` chunks per
+    sequence. Needs an engine with sparse=TopKPages(...)."""
+    sparse = engine.sparse
+    if sparse is None:
+        raise ValueError("selection-recall measures top-k sparse attention: pass --sparse-budget N")
+    probe = RecallProbe(recall_chunks(seq_len, engine.chunk_size, engine.page_size, sparse.budget, chunks),
+                        blocks, sparse.block_queries, engine.page_size, engine.adapter.scale, seed)
+    for ids, labels in batches:
+        engine.evaluate(ids, labels, progress=progress, probe=probe)
+    layers = []
+    for i in sorted({r["layer"] for r in probe.rows}):
+        rows = [r for r in probe.rows if r["layer"] == i]
+        layers.append({"layer": i, "blocks": len(rows), **{m: float(np.mean([r[m] for r in rows]))
+                                                          for m in ("recall", "earlier_recall", "earlier_mass")}})
+    if not layers:
+        raise ValueError("no query block was sampled (every layer dense?)")
+    return {"task": "selection-recall", "seq_len": seq_len, "budget": sparse.budget,
+            "representative": sparse.representative, "sink_pages": sparse.sink_pages,
+            "dense_layers": sorted(sparse.dense_set(engine.adapter.n_layers)),
+            "recall": float(np.mean([x["recall"] for x in layers])),
+            "earlier_recall": float(np.mean([x["earlier_recall"] for x in layers])), "layers": layers,
+            "samples": probe.rows}
