@@ -5,7 +5,6 @@ import subprocess
 import sys
 import time
 
-import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -123,20 +122,6 @@ def test_attention_table_takes_forward_only_and_backward_only_rows():
     assert "| 64K | gluon-bwd prototype (pages only) |  | 19.80 |  | 486 |" in lines
 
 
-@pytest.mark.gpu
-def test_gluon_forward_agrees_with_the_engine(tmp_path):
-    """The Gluon prototype (Hopper only) checks itself against the engine's forward and exits
-    non-zero on a disagreement."""
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip("gluon_forward.py is a Hopper (sm_90) kernel")
-    out = tmp_path / "gluon.jsonl"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "gluon_forward.py"), "--keys", "16384",
-                    "--out", str(out)], check=True, timeout=600)
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert {r["impl"] for r in rows} == {"paged (pages only)", "gluon-fwd prototype (pages only)"}
-    assert all(r["max_err_o"] < 1e-3 for r in rows)
-
-
 def test_trace_gaps_summary(tmp_path):
     """trace_gaps.py on a hand-made trace: busy time per stream, the compute stream's idle
     time and the part of it the copy streams filled, host waits, the kernels the idle time
@@ -193,26 +178,6 @@ def test_trace_gaps_gpu_time_by_launching_op():
         "aten::zeros": 1.0, "?": 0.5}
 
 
-def test_grad_add_smoke(tmp_path):
-    out = tmp_path / "add.jsonl"
-    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "grad_add.py"), "--device", "cpu", "--sizes", "64K",
-                    "--out", str(out)], check=True, capture_output=True, timeout=300,
-                   env={**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")})
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["way"] for r in rows] == ["bf16 += bf16", "fp32 += bf16 (add_)"] and all(r["gb_s"] > 0 for r in rows)
-
-
-def test_grad_sums_orders_the_summations():
-    """bench/grad_sums.py: bf16 sums over 64 chunks drift several times further from the exact sum
-    than fp32 sums, which stay near one rounding."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from grad_sums import errors
-
-    torch.manual_seed(0)
-    e = errors(64, 20_000, 0.0)
-    assert e["fp32"] < 2 * e["exact, rounded once"] and e["bf16"] > 3 * e["fp32"], e
-
-
 def test_engine_like_selection_indexes_the_candidates():
     """bench_attention.py --sparse: the chunk's candidates (what the engine's table holds, shared
     by the KV heads), each block's picks ascending indices into them with the sink first."""
@@ -253,22 +218,3 @@ def test_gpu_meter_averages_nvidia_smi_samples(tmp_path, monkeypatch):
     assert meter.summary() == {"sm_mhz": 1815, "power_w": 408, "power_capped": 0.5}
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "GPU-1234-abcd"]
     assert meter.stop() == "" and GpuMeter(cuda=False).summary() == {}
-
-
-def test_atomic_partials_add_up(monkeypatch):
-    """bench_atomics.py's kernel (interpreter): every tile gets its `partials` adds, int64 sums
-    exact, fp32 equal to them."""
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from bench_atomics import run
-
-    tiles, partials, visits, m, d = 6, 4, 3, 4, 8
-    got = {mode: run(mode, tiles, partials, visits, m, d, "cpu")[0].view(tiles, m, d) for mode in ("int64", "fp32")}
-    programs = tiles * partials // visits
-    base = ((torch.arange(m)[:, None] * d + torch.arange(d)[None, :]) % 7 + 1).double() * 0.25
-    expect = torch.zeros(tiles, m, d, dtype=torch.float64)
-    for p in range(programs):
-        for i in range(visits):
-            expect[(p * visits + i) % tiles] += base + p
-    assert torch.equal(got["int64"], (expect * 1024).long())
-    assert torch.allclose(got["fp32"].double(), expect)
