@@ -74,52 +74,12 @@ def test_bench_parallel_smoke(tmp_path):
     assert abs(rows[1]["tok_s"] * rows[1]["step_s"] / (2 * 512) - 1) < 0.05  # DP=2: two sequences a step
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import parallel_table
-    lines = parallel_table(rows).splitlines()
-    header = next(line for line in lines if line.startswith("| impl |")).split(" | ")
+    from report import Commands, parallel_table
+    lines = parallel_table(rows, Commands()).splitlines()
+    header = next(line for line in lines if line.startswith("| attention |")).split(" | ")
     dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |")).split(" | ")
     assert dp2[header.index("DP efficiency")].endswith("%")  # against the 1-process row
-    assert dp2[header.index("pages a call")] == "2"
-
-
-def test_step_table_shows_repeats_and_chunk_sizes():
-    """report.py: a configuration measured twice in one run (an A/B pair on two GPUs) shows both
-    figures, and one run at several chunk sizes gets a column per size (no row hides another)."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import step_table
-
-    def row(impl, chunk, step_s, peak):
-        return {"impl": impl, "chunk_size": chunk, "seq_len": 2**18, "ok": True, "step_s": step_s,
-                "tok_s": 2**18 / step_s, "peak_gib": peak, "commit": "abcdef0", "date": "2026-11-30", "gpu": "H"}
-    rows = [row("oomb-sparse-all", 4096, 40.5, 49.2), row("oomb-sparse-all", 4096, 41.0, 49.2),
-            row("oomb-sparse-auto", 2048, 38.8, 67.2), row("oomb-sparse-auto", 4096, 37.6, 76.3),
-            {**row("oomb", 4096, 140.0, 90.1), "keep_attention": "yes", "kept_layers": 27, "kept_where": "host"},
-            {**row("oomb", 4096, 176.4, 90.1), "keep_attention": "no"}]
-    lines = step_table(rows).splitlines()
-    header = next(line for line in lines if line.startswith("| context"))
-    assert "oomb-sparse-auto chunk 2048 tok/s" in header and "oomb-sparse-auto chunk 4096 tok/s" in header
-    assert "| oomb tok/s |" in header and "| oomb keep-attn-host-27L tok/s |" in header
-    cells = next(line for line in lines if line.startswith("| 256K")).split(" | ")
-    assert cells[1:] == ["1,486 (176.4 s)", "90.1", "1,872 (140 s)", "90.1", "6,473 (40.5 s) / 6,394 (41 s)", "49.2",
-                         "6,756 (38.8 s)", "67.2", "6,972 (37.6 s)", "76.3 |"]
-
-
-def test_attention_table_takes_forward_only_and_backward_only_rows():
-    """report.py: gluon_forward.py's rows have no backward, the fused backward prototype's (a28a565) no
-    forward; the table leaves those cells empty."""
-    sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import attention_table
-
-    run = {"commit": "abcdef0", "date": "2026-12-01", "gpu": "H", "N": 65536}
-    rows = [{**run, "impl": "paged", "fwd_ms": 7.0, "bwd_ms": 23.8, "fwd_tflops": 558.1, "bwd_tflops": 417.4},
-            {**run, "impl": "gluon-fwd prototype (pages only)", "fwd_ms": 7.84, "bwd_ms": None, "fwd_tflops": 491.0,
-             "bwd_tflops": None},
-            {**run, "impl": "gluon-bwd prototype (pages only)", "fwd_ms": None, "bwd_ms": 19.8, "fwd_tflops": None,
-             "bwd_tflops": 486.0}]
-    lines = attention_table(rows).splitlines()
-    assert "| 64K | paged | 7.00 | 23.80 | 558 | 417 |" in lines
-    assert "| 64K | gluon-fwd prototype (pages only) | 7.84 |  | 491 |  |" in lines
-    assert "| 64K | gluon-bwd prototype (pages only) |  | 19.80 |  | 486 |" in lines
+    assert "2 pages a call" in dp2[header.index("settings")]
 
 
 def test_trace_gaps_summary(tmp_path):
