@@ -12,8 +12,9 @@ pipelined loop waits at the top of an iteration for the copies of an earlier one
 newer ones in flight (`ttg.async_wait ... {num = N}`, N > 0); `num = 0` inside a loop means its
 next tile is loaded only after its compute, with nothing overlapping: what a load in the address
 chain (a page table, a selection) does to Triton 3.6's pipeliner. (In the forward, slots from
-registers and 3 stages took the H200 from 466 to 562 TFLOP/s dense; the dQ page loop, the same
-way with descriptor loads, from 12.8 to 9.4 ms at 64K keys: docs/benchmarks.md.) Descriptor (TMA) loads wait on
+registers and 3 stages took the H200 from 466 to 562 TFLOP/s dense at 64K keys, e8cd5a4, 2026-11-30;
+the dQ page loop, the same way with descriptor loads, from 12.8 to 9.4 ms, 34a47d8, 2026-11-30: rows in
+bench/results/attention.jsonl.) Descriptor (TMA) loads wait on
 barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
 and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one), with the
 registers per thread and the bytes spilled to local memory that ptxas reports (the one Triton

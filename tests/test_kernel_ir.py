@@ -3,8 +3,9 @@ CPU (bench/kernel_ir.py, H200 launch settings), each loop's wait leaves copies o
 index is loaded synchronously inside a loop. A load in a loop's address chain (a page table, a
 selection) makes Triton's pipeliner wait for every copy at the top of each iteration instead:
 on the H200 the forward ran at 466 instead of 562 TFLOP/s dense, 1.39 instead of 1.13 ms at top-k
-64, and the dQ kernel took 12.8 instead of 9.4 ms at 64K keys (docs/benchmarks.md). Every kernel
-(with Triton 3.6, also paged_hopper's Gluon backward) fits an H200's shared memory at those settings."""
+64 (e8cd5a4, 2026-11-30), and the dQ kernel took 12.8 instead of 9.4 ms at 64K keys (34a47d8,
+2026-11-30; bench/results/attention.jsonl). Every kernel (with Triton 3.6, also paged_hopper's Gluon
+backward) fits an H200's shared memory at those settings."""
 import json
 import os
 import subprocess

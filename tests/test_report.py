@@ -1,0 +1,175 @@
+"""bench/report.py: the benchmarks page and its plots, generated from result rows (here a few
+sample rows in a temporary directory), and the rules that pick each table's rows."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import report  # noqa: E402
+
+HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
+            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "How to reproduce"]
+PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png"]
+MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
+K, M = 1024, 2**20
+
+
+def step(impl, n, step_s, peak, commit="a1b2c3d", date="2026-12-01T01:00:00+00:00", **settings):
+    oomb = impl.startswith("oomb")
+    row = {"bench": "step", "impl": impl, "model": "qwen2.5-7b", "lora_rank": 0, "seq_len": n, "layers": 28,
+           "chunk_size": 4096 if oomb else None, "kv_grad_dtype": "fp32" if oomb else None,
+           "checkpoint_layers": False if oomb else None, "liger": impl == "liger", "compile": oomb, "float8": "none",
+           "param_grad_dtype": "param" if oomb else None, "keep_attention": "no" if oomb else None,
+           "page_budget_gib": None, "reserve_s": 1.0 if oomb else None, "ok": True, "step_s": step_s,
+           "tok_s": round(n / step_s, 1), "peak_gib": peak, "host_peak_gib": 2.0, "commit": commit, "date": date,
+           **MACHINE}
+    if "sparse" in impl:
+        row["kv_grad_dtype"] = "bf16"
+    row.update(settings)
+    return row
+
+
+KEPT = {"keep_attention": "yes", "kept_layers": 27, "kept_where": "gpu", "kept_host_layers": 0}
+STAGES = {"stage1_s": 33.3, "stage2_s": 111.7, "stage1_chunk_ms": [129.5, 129.0, 129.9, 134.3],
+          "stage2_chunk_ms": [434.8, 436.5, 435.8, 437.7]}
+
+
+def sample_steps():
+    return [
+        step("oomb", 32 * K, 4.26, 111.1, chunk_size=16384, **KEPT),
+        step("liger", 32 * K, 4.48, 40.8, date="2026-12-01T01:01:00+00:00"),
+        step("oomb", 64 * K, 11.97, 122.3, chunk_size=16384, date="2026-12-01T01:02:00+00:00", **KEPT),
+        step("liger", 64 * K, 12.41, 52.9, date="2026-12-01T01:03:00+00:00"),
+        step("oomb-all", 64 * K, 12.73, 79.8, chunk_size=8192, host_layers=28, date="2026-12-01T01:04:00+00:00", **KEPT),
+        step("oomb", 64 * K, 12.76, 87.4, chunk_size=8192, date="2026-12-01T01:05:00+00:00", **KEPT),
+        step("oomb-sparse-auto", M, 144.99, 128.96, host_layers=8, **STAGES),
+        step("oomb-sparse-all", M, 143.72, 126.95, host_layers=28, date="2026-12-01T01:10:00+00:00",
+             **{**STAGES, "stage1_s": 34.2, "stage2_s": 109.5}),
+        step("oomb-sparse-auto", 2 * M, 473.2, 137.05, commit="0f1e2d3", date="2026-11-29T13:05:00+00:00",
+             lora_rank=16, checkpoint_layers=True, host_peak_gib=105.7),
+        step("oomb-sparse-auto", 128 * K, 19.26, 69.41, commit="0f1e2d3", date="2026-11-29T13:14:00+00:00",
+             model="gpt-oss-20b", layers=24, lora_rank=16),
+        # newer, and none of them measured the code as shipped: never picked
+        step("oomb two-state-fwd(reverted)", 64 * K, 1.0, 1.0, date="2026-12-02T00:00:00+00:00"),
+        step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, merged=False, date="2026-12-02T00:01:00+00:00", **KEPT),
+        step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, profiled=True, date="2026-12-02T00:02:00+00:00", **KEPT),
+        step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, switches={"OOMB_GLUON": "0"},
+             date="2026-12-02T00:03:00+00:00", **KEPT),
+    ]
+
+
+def sample_attention():
+    run = {"C": 4096, "H": 28, "Hkv": 4, "D": 128, "page_size": 128, "dtype": "bf16", "commit": "a1b2c3d",
+           "date": "2026-12-01T03:33:00+00:00", **MACHINE}
+    return [{**run, "N": 64 * K, "impl": "paged", "fwd_ms": 7.02, "bwd_ms": 20.69, "fwd_tflops": 565.5, "bwd_tflops": 479.6},
+            {**run, "N": 64 * K, "impl": "sdpa_cudnn", "fwd_ms": 6.07, "bwd_ms": 17.57, "fwd_tflops": 634.0,
+             "bwd_tflops": 547.7},
+            {**run, "N": 64 * K, "impl": "sdpa_flash", "fwd_ms": 10.9, "bwd_ms": 30.4, "fwd_tflops": 352.8,
+             "bwd_tflops": 316.0},
+            {**run, "N": M, "impl": "paged-sparse64", "sparse_budget": 64, "chunk_budget": 256, "fwd_ms": 1.2,
+             "bwd_ms": 4.0, "fwd_tflops": 502.6, "bwd_tflops": 374.8}]
+
+
+def sample_parallel():
+    run = {"bench": "parallel", "impl": "sparse", "model": "qwen2.5-7b", "seq_len": 256 * K, "layers": 28,
+           "chunk_size": 4096, "group_pages": 128, "offload": "auto", "kv_grad_dtype": "bf16", "compile": True,
+           "ok": True, "commit": "a1b2c3d", "date": "2026-11-30T22:17:30+00:00", **MACHINE}
+    return [{**run, "world": 1, "tp": 1, "dp": 1, "step_s": 36.71, "tok_s": 7140.0, "tok_s_per_gpu": 7140.0,
+             "peak_gib": 76.35},
+            {**run, "world": 2, "tp": 1, "dp": 2, "step_s": 36.83, "tok_s": 14234.2, "tok_s_per_gpu": 7117.1,
+             "peak_gib": 76.35}]
+
+
+def write_results(path):
+    path.mkdir()
+    for name, rows in (("step", sample_steps()), ("attention", sample_attention()), ("parallel", sample_parallel())):
+        (path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def sections(page: str) -> dict[str, str]:
+    parts = re.split(r"^## (.+)$", page, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def table_rows(body: str) -> list[str]:
+    lines = [line for line in body.splitlines() if line.startswith("|")]
+    return [line for line in lines[2:] if not line.startswith("|---")]  # after each table's header and rule
+
+
+def test_report_writes_the_page_and_its_plots(tmp_path):
+    write_results(tmp_path / "results")
+    out = tmp_path / "docs"
+    subprocess.run([sys.executable, os.path.join(ROOT, "bench", "report.py"), "--results", str(tmp_path / "results"),
+                    "--out-dir", str(out)], check=True, capture_output=True, timeout=300)
+    page = (out / "benchmarks.md").read_text()
+    assert page.count("\n") <= 400
+    assert re.findall(r"^## (.+)$", page, flags=re.M) == HEADINGS
+    for title, body in sections(page).items():
+        if title == "How to reproduce":
+            continue
+        rows = table_rows(body)
+        assert rows, f"{title}: no table rows"
+        for row in rows:
+            assert re.search(r"\b[0-9a-f]{7}\b", row) and re.search(r"\b\d{4}-\d{2}-\d{2}\b", row), (title, row)
+            assert re.search(r"\[\d+\]", row), (title, row)  # the command it came from, listed under the table
+        assert "`python bench/" in body or "`torchrun " in body, title
+    for name in PLOTS:
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+        assert f"]({name})" in page, name
+
+
+def test_rows_of_unshipped_code_are_left_out():
+    """A hand-labelled A/B arm, a row of a never-merged commit, a profiled row and one run under an
+    environment switch are all newer than the shipped rows; none of them is picked."""
+    steps = sample_steps()
+    picked = [r for pair in report.select_dense_steps(steps) for r in pair if r]
+    picked += [r for _, rows in report.select_memory(steps) for r in rows]
+    assert picked and all(r["step_s"] != 1.0 for r in picked)
+    assert {(r["seq_len"], r["step_s"]) for r, _ in report.select_dense_steps(steps)} == {
+        (32 * K, 4.26), (64 * K, 11.97), (64 * K, 12.76)}
+
+
+def test_dense_steps_pair_with_the_liger_step_of_their_run():
+    older = step("liger", 64 * K, 12.0, 50.0, commit="0f1e2d3", date="2026-11-30T01:00:00+00:00")
+    pairs = report.select_dense_steps(sample_steps() + [older])
+    assert all(liger is not None and liger["commit"] == r["commit"] for r, liger in pairs)
+    assert [liger["step_s"] for r, liger in pairs if r["seq_len"] == 64 * K] == [12.41, 12.41]
+
+
+def test_a_peak_counts_only_at_the_longest_length_of_its_process():
+    """bench_step.py reserves pages for the longest length first: the 64K row of a 64K + 256K
+    process shows the 256K pages; the memory table takes the 64K peak of another process."""
+    same_process = dict(commit="a1b2c3d", date="2026-12-01T05:00:00+00:00")
+    rows = [step("oomb", 64 * K, 16.2, 90.1, **same_process), step("oomb", 256 * K, 176.4, 90.1, **same_process),
+            step("oomb", 64 * K, 16.4, 58.6, date="2026-11-30T05:00:00+00:00")]
+    (label, picked), = report.select_memory(rows)
+    assert label.startswith("oomb dense, offload none")
+    assert [(r["seq_len"], r["peak_gib"]) for r in picked] == [(64 * K, 58.6), (256 * K, 90.1)]
+
+
+def test_offload_compares_all_with_the_same_settings_on_the_gpu():
+    (a, b), = [pair for pair in report.select_offload(sample_steps()) if pair[0]["seq_len"] == 64 * K]
+    assert (a["impl"], a["step_s"], b["impl"], b["step_s"]) == ("oomb-all", 12.73, "oomb", 12.76)
+    (a, b), = [pair for pair in report.select_offload(sample_steps()) if pair[0]["seq_len"] == M]
+    assert (b["impl"], b["host_layers"]) == ("oomb-sparse-auto", 8)  # 1M fits nowhere without offload
+
+
+def test_commands_are_rebuilt_from_the_settings_a_row_records():
+    row = step("oomb-sparse-auto", M, 145.0, 129.0, keep_attention="fit", kept_layers=24, kept_where="host",
+               kept_host_layers=24, kept_host_gib=169.96, group_pages=128)
+    assert report.step_command(row) == (
+        "python bench/bench_step.py --impls oomb-sparse-auto --lengths 1M --kv-grad-dtype bf16 --oomb-compile "
+        "--keep-attention fit --kept-host-gib 170 --group-pages 128")
+    assert report.step_command(step("liger", 32 * K, 4.5, 40.8)) == "python bench/bench_step.py --impls liger --lengths 32K"
+    assert report.attention_command(sample_attention()[-1]) == (
+        "python bench/bench_attention.py --keys 1048576 --sparse 64 --no-sdpa")
+
+
+def test_the_repository_page_is_the_generated_one(tmp_path):
+    """docs/benchmarks.md is what report.py makes of bench/results: rerun it after adding rows."""
+    report.build(os.path.join(ROOT, "bench", "results"), str(tmp_path))
+    with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
+        assert (tmp_path / "benchmarks.md").read_text() == f.read()
