@@ -346,3 +346,25 @@ def test_kept_attention_identical_on_the_gpu(wide_model):
         for name, (loss, g) in runs.items():
             assert torch.equal(loss, loss0), (name, extra)
             assert all(torch.equal(g[n], g0[n]) for n in g0), (name, extra)
+
+
+def test_dense_layers_and_evaluation_probes_on_the_gpu(wide_model):
+    """Top-k with the last layer dense: offload modes bitwise equal in bf16. An evaluation with
+    per-token losses and a selection-recall probe: the same with every page on the host as in the
+    GPU pool (the probe reads host pages by copy), and the per-token mean is the loss."""
+    from oomb.eval.tasks import RecallProbe
+    ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
+    assert_offload_modes_identical(wide_model, ids, sparse=oomb.TopKPages(budget=4, chunk_budget=9,
+                                                                          dense_layers=(-1,)))
+    runs = {}
+    for offload in ("none", "all"):
+        engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, page_size=128, offload=offload,
+                                           sparse=oomb.TopKPages(budget=4, chunk_budget=9), kv_grad_dtype=None)
+        probe = RecallProbe({2, 4}, 2, 128, 128, engine.adapter.scale, seed=1)
+        r = engine.evaluate(ids, per_token=True, probe=probe)
+        runs[offload] = (r, probe.rows)
+    (r, rows), (r_all, rows_all) = runs["none"], runs["all"]
+    torch.testing.assert_close(r.token_losses, r_all.token_losses, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(r.predictions, r_all.predictions) and rows == rows_all and len(rows) == 2 * 2 * 2
+    assert 0 < min(x["recall"] for x in rows) <= max(x["recall"] for x in rows) <= 1 + 1e-6
+    assert abs(float(r.token_losses[:, 1:].mean()) - float(r.loss)) <= 1e-4 * float(r.loss)

@@ -59,6 +59,9 @@ def masked_full_sequence(model, ids, selection, block):
             allowed[:, :, start:end, start:end] = causal
             if c == 0:
                 continue
+            if (c, i) not in selection:  # a dense layer among top-k ones: every earlier key
+                allowed[:, :, start:end, :start] = True
+                continue
             sel = selection[c, i]  # (B, Hkv, n_blocks, k)
             for qi in range(start, end):
                 for bi in range(b):
@@ -99,6 +102,33 @@ def test_small_budget_gradients_exact_for_the_selected_pattern(representative, b
         assert rel_err(grads[n], p.grad) <= 1e-4, n
     dense = run(model, ids, None, backend)[2]
     assert max(rel_err(grads[n], dense[n]) for n in dense) > 1e-2  # the budget really dropped pages
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_dense_layers_among_top_k(backend):
+    """TopKPages(dense_layers=...): those layers select nothing and attend every earlier page;
+    gradients are exact for the mixed pattern; every layer dense equals dense attention read a
+    selection's worth of pages at a time, bitwise; offload 'all' equals the device pool bitwise."""
+    model = make_model("qwen2", layers=2)
+    ids = batch()
+    every = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3, dense_layers=(0, -1))
+    _, loss_every, grads_every = run(model, ids, every, backend)
+    _, loss_dense, grads_dense = run(model, ids, None, backend, group_pages=3)
+    assert torch.equal(loss_every, loss_dense) and all(torch.equal(grads_every[n], grads_dense[n]) for n in grads_dense)
+    cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3, dense_layers=(-1,))
+    engine, loss, grads = run(model, ids, cfg, backend)
+    assert sorted(engine._selection) == [(c, 0) for c in range(4)]  # only layer 0 selects
+    selection = {key: sel.logical() for key, sel in engine._selection.items()}
+    ref_loss = masked_full_sequence(model, ids, selection, cfg.block_queries)
+    ref_loss.backward()
+    assert rel_err(loss, ref_loss) <= 1e-5
+    for n, p in model.named_parameters():
+        assert rel_err(grads[n], p.grad) <= 1e-4, n
+    model.zero_grad(set_to_none=True)
+    _, loss_all, grads_all = run(model, ids, cfg, backend, offload="all")
+    assert torch.equal(loss, loss_all) and all(torch.equal(grads[n], grads_all[n]) for n in grads)
+    with pytest.raises(ValueError, match="layer 2 does not exist in a model of 2 layers"):
+        oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=oomb.TopKPages(dense_layers=(2,)))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

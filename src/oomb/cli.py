@@ -16,6 +16,8 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             continue
         kind = {"float | None": float, "int | None": int}.get(str(f.type), type(f.default))
+        if f.name == "seq_len":
+            kind = parse_tokens  # 64K, 1M
         parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default!r})")
 
 
@@ -200,6 +202,15 @@ def _print_eval(r: dict) -> None:
                   f"({x['blocks']} blocks)")
 
 
+def cmd_corpus(args) -> None:
+    from .train.corpus import build_corpus
+
+    s = build_corpus(args.output, args.roots or None, args.tokenizer, args.heldout,
+                     parse_bytes(args.max_size) if args.max_size else None)
+    for split in ("train", "heldout"):
+        print(f"{args.output}/{split}.npy: {s[split]['tokens']:,} tokens, {s[split]['documents']} packages")
+
+
 def cmd_tokenize(args) -> None:
     from .train.data import tokenize
 
@@ -292,6 +303,14 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--json", action="store_true", help="the result as one JSON object, the last line of stdout")
     p_eval.add_argument("--plot", default="", help="write a PNG of the result here")
     p_eval.set_defaults(func=cmd_eval)
+
+    p_corpus = sub.add_parser("corpus", help="a long-document corpus from installed packages' source code")
+    p_corpus.add_argument("--output", required=True, help="directory for train.npy, heldout.npy, corpus.json")
+    p_corpus.add_argument("--roots", nargs="*", default=[], help="package directories (default: site-packages)")
+    p_corpus.add_argument("--tokenizer", default="bytes", help="'bytes' (byte-level) or a checkpoint's tokenizer")
+    p_corpus.add_argument("--heldout", type=float, default=0.1, help="share of packages held out (by name hash)")
+    p_corpus.add_argument("--max-size", default="", help="text to take for training, e.g. 300MiB (default: all)")
+    p_corpus.set_defaults(func=cmd_corpus)
 
     p_tok = sub.add_parser("tokenize", help="text (.txt, .jsonl) -> a .npy token file for --data")
     p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each) or .jsonl (a document per line)")
