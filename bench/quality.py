@@ -53,16 +53,17 @@ class Study:
     base_len: int = 8192
     chunk_size: int = 4096
     page_size: int = 128
-    steps: int = 300  # from-scratch arms (tokens: steps x seq_len)
-    ext_steps: int = 60  # extension arms, from base-8k's final model
+    steps: int = 160  # from-scratch arms (tokens: steps x seq_len); what one H200 call of 10 minutes holds
+    ext_steps: int = 40  # extension arms, from base-8k's final model
     lr: float = 1e-3
     ext_lr: float = 3e-4
     warmup: int = 15
+    ext_warmup: int = 5
     weight_decay: float = 0.1
     ext_theta: float = 200_000.0  # base-8k trains with the preset's 10,000
     tail: int = 4096  # the tail arms' loss-carrying tokens
-    needle_rate: float = 0.05
-    needles_per_sequence: int = 8
+    needle_rate: float = 0.1
+    needles_per_sequence: int = 16
     seed: int = 0
     save_every: int = 50
     eval_every: int = 50
@@ -85,7 +86,7 @@ class Study:
 
 def smoke() -> Study:
     return Study(model="tiny", seq_len=1024, base_len=256, chunk_size=256, page_size=64, steps=2, ext_steps=2,
-                 warmup=1, tail=128, needle_rate=0.5, needles_per_sequence=2, save_every=1, eval_every=2,
+                 warmup=1, ext_warmup=1, tail=128, needle_rate=0.5, needles_per_sequence=2, save_every=1, eval_every=2,
                  corpus_bytes=2 * 2**20, eval_windows=1, lengths=(512, 1024), depths=(0.0, 1.0), samples=1,
                  recall_chunks=1, recall_blocks=1, device="cpu", backend="torch", budget_divisor=16)
 
@@ -150,7 +151,8 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
     return TrainConfig(
         model=str(work / "arms" / arm.extends / "final") if arm.extends else study.model,
         data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"), seq_len=seq_len, batch=batch,
-        steps=steps, lr=study.ext_lr if arm.extends else study.lr, warmup_steps=study.warmup,
+        steps=steps, lr=study.ext_lr if arm.extends else study.lr,
+        warmup_steps=study.ext_warmup if arm.extends else study.warmup,
         weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, seq_len), page_size=study.page_size,
         sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
         rope_theta=study.ext_theta if arm.extends else None, loss_last=study.tail if arm.tail else 0,
