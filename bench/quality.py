@@ -13,6 +13,8 @@ seed and steps, in several arms:
     ext-tail-dense       extension with loss on the last 4K tokens only (a long prompt, then the answer)
     ext-tail-topk64      the same with top-k 64
     ext-tail-topk64-d2   the same with the last two layers dense (the published fix)
+and, when named in --arms: dense-64k-s1 and topk64-64k-s1 (another seed: the run-to-run spread),
+topk64-minmax-64k (pages scored by their keys' min/max, Quest, instead of their mean).
 
 Every arm's final model is then evaluated on held-out packages, with the attention it was trained
 with and with the other (a top-k model read densely, a dense one read with top-k 64): loss by
@@ -36,7 +38,7 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -100,11 +102,18 @@ class Arm:
     base: bool = False  # trained at base_len
     extends: str = ""  # starts from this arm's final model, with the extended RoPE base
     tail: bool = False  # loss on the last `tail` tokens only
-    needs: list = field(default_factory=list)
+    seed: int = 0  # added to the study's seed (weights and data order): a replicate
+    representative: str = "mean"  # how top-k scores a page (TopKPages.representative)
+    extra: bool = False  # a replicate or ablation: run when named in --arms (or --arms all)
 
     @property
     def attention(self) -> str:
-        return f"top-{self.budget}" if self.budget else "dense"
+        return label(self.budget, self.representative)
+
+
+def label(budget: int, representative: str = "mean") -> str:
+    """How rows name an attention: dense, top-64, top-64-minmax."""
+    return (f"top-{budget}" + ("" if representative == "mean" else f"-{representative}")) if budget else "dense"
 
 
 ARMS = [
@@ -119,6 +128,11 @@ ARMS = [
         tail=True),
     Arm("ext-tail-topk64-d2", "extension, loss on the last tokens only, top-k 64, last 2 layers dense", budget=64,
         dense_layers="-2,-1", extends="base-8k", tail=True),
+    # replicates (another seed: the run-to-run spread) and an ablation of how top-k scores pages
+    Arm("dense-64k-s1", "dense, from scratch, seed 1", seed=1, extra=True),
+    Arm("topk64-64k-s1", "top-k 64 pages, from scratch, seed 1", budget=64, seed=1, extra=True),
+    Arm("topk64-minmax-64k", "top-k 64 pages scored by min/max keys (Quest), from scratch", budget=64,
+        representative="minmax", extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 OTHER_BUDGET = 64  # a dense arm is also read with top-k 64
@@ -155,10 +169,11 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         warmup_steps=study.ext_warmup if arm.extends else study.warmup,
         weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, seq_len), page_size=study.page_size,
         sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
+        sparse_representative=arm.representative,
         rope_theta=study.ext_theta if arm.extends else None, loss_last=study.tail if arm.tail else 0,
         needle_rate=study.needle_rate, needles_per_sequence=study.needles_per_sequence, tokenizer="bytes",
         output_dir=str(out), save_every=study.save_every, eval_every=study.eval_every, eval_batches=1,
-        resume=str(checkpoints[-1]) if checkpoints else "", seed=study.seed, device=study.device,
+        resume=str(checkpoints[-1]) if checkpoints else "", seed=study.seed + arm.seed, device=study.device,
         backend=study.backend)
 
 
@@ -191,7 +206,9 @@ def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: 
 
     model = load_model(str(work / "arms" / arm.name / "final"), device=device,
                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
-    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense)) if budget else None
+    representative = arm.representative if budget == arm.budget else "mean"  # the other attention: plain top-k
+    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense),
+                       representative=representative) if budget else None
     engine = ChunkRecurrentEngine(model, chunk_size=study.chunk_size, page_size=study.page_size, sparse=sparse,
                                   kv_grad_dtype=None, backend=study.backend, offload="auto")
     held = open_tokens(data / "heldout.npy", engine.adapter.vocab_size)
@@ -205,7 +222,7 @@ def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: 
         result = tasks.selection_recall(engine, windows(held, study.seq_len, 1, 1), study.seq_len,
                                         study.recall_chunks, study.recall_blocks, study.seed)
         result.pop("samples")
-    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": f"top-{budget}" if budget else "dense",
+    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, representative),
             "dense_layers": dense}
 
 
@@ -227,7 +244,7 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
                + [{"study": "quality", "arm": name, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
                    "config": dataclasses.asdict(cfg), **info}])
     for task, budget, dense in evaluations(arm):
-        attention = f"top-{budget}" if budget else "dense"
+        attention = label(budget, arm.representative if budget == arm.budget else "mean")
         if (task, attention, dense) in done:
             continue
         r = evaluate(arm, study, work, data, task, budget, dense)
@@ -259,7 +276,7 @@ def complete(name: str, rows: list[dict]) -> bool:
     arm = BY_NAME[name]
     have = {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in rows
             if r.get("arm") == name and r.get("kind") == "eval"}
-    want = {(t, f"top-{b}" if b else "dense", d) for t, b, d in evaluations(arm)}
+    want = {(t, label(b, arm.representative if b == arm.budget else "mean"), d) for t, b, d in evaluations(arm)}
     return want <= have
 
 
@@ -329,7 +346,8 @@ def _ready(name: str, work: Path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="tiny settings on the CPU (every arm, in-process)")
-    parser.add_argument("--arms", default="", help="comma-separated arms (default: all)")
+    parser.add_argument("--arms", default="", help="comma-separated arms (default: the study's, without the extra "
+                                                   "replicates and ablations; 'all': every arm)")
     parser.add_argument("--arm", default="", help=argparse.SUPPRESS)  # one arm, in a child process
     parser.add_argument("--work", default="runs/quality", help="checkpoints, corpus and logs")
     parser.add_argument("--results", default=str(RESULTS))
@@ -353,7 +371,9 @@ def main() -> None:
         given = json.loads(os.environ["OOMB_QUALITY"])
         run_arm(args.arm, Study(**given["study"]), work, results, given["info"])
         return
-    names = [n.strip() for n in args.arms.split(",") if n.strip()] or [a.name for a in ARMS]
+    names = [n.strip() for n in args.arms.split(",") if n.strip()] or [a.name for a in ARMS if not a.extra]
+    if names == ["all"]:
+        names = [a.name for a in ARMS]
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
         sys.exit(f"quality.py: unknown arm {unknown[0]!r}; arms: {', '.join(BY_NAME)}")
