@@ -14,7 +14,8 @@ seed and steps, in several arms:
     ext-tail-topk64      the same with top-k 64
     ext-tail-topk64-d2   the same with the last two layers dense (the published fix)
 and, when named in --arms: dense-64k-s1 and topk64-64k-s1 (another seed: the run-to-run spread),
-topk64-minmax-64k (pages scored by their keys' min/max, Quest, instead of their mean).
+topk64-minmax-64k (pages scored by their keys' min/max, Quest, instead of their mean), topk64-d01-64k
+(the first two layers dense) and topk128-64k (a larger budget).
 
 Every arm's final model is then evaluated on held-out packages, with the attention it was trained
 with and with the other (a top-k model read densely, a dense one read with top-k 64): loss by
@@ -133,6 +134,9 @@ ARMS = [
     Arm("topk64-64k-s1", "top-k 64 pages, from scratch, seed 1", budget=64, seed=1, extra=True),
     Arm("topk64-minmax-64k", "top-k 64 pages scored by min/max keys (Quest), from scratch", budget=64,
         representative="minmax", extra=True),
+    Arm("topk64-d01-64k", "top-k 64 pages, the first two layers dense, from scratch", budget=64, dense_layers="0,1",
+        extra=True),
+    Arm("topk128-64k", "top-k 128 pages, from scratch", budget=128, extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 OTHER_BUDGET = 64  # a dense arm is also read with top-k 64

@@ -19,7 +19,7 @@ REFERENCE = {"dense-64k": "dense-64k", "topk64-64k": "dense-64k", "topk16-64k": 
              "base-8k": "dense-64k", "ext-dense": "ext-dense", "ext-topk64": "ext-dense",
              "ext-tail-dense": "ext-tail-dense", "ext-tail-topk64": "ext-tail-dense",
              "ext-tail-topk64-d2": "ext-tail-dense", "dense-64k-s1": "dense-64k-s1", "topk64-64k-s1": "dense-64k-s1",
-             "topk64-minmax-64k": "dense-64k"}
+             "topk64-minmax-64k": "dense-64k", "topk64-d01-64k": "dense-64k", "topk128-64k": "dense-64k"}
 
 
 def _k(n: int) -> str:
@@ -144,7 +144,7 @@ def _smooth(xs: list[float], k: int = 10) -> list[float]:
 def plot_training(r: Rows, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, group in zip(axes, (("dense-64k", "topk64-64k", "topk16-64k", "base-8k", "dense-64k-s1",
-                                 "topk64-64k-s1", "topk64-minmax-64k"),
+                                 "topk64-64k-s1", "topk64-minmax-64k", "topk64-d01-64k", "topk128-64k"),
                                 ("ext-dense", "ext-topk64", "ext-tail-dense", "ext-tail-topk64",
                                  "ext-tail-topk64-d2"))):
         for a in group:
@@ -169,7 +169,7 @@ def plot_training(r: Rows, path: Path) -> None:
 def plot_position_loss(r: Rows, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, group in zip(axes, (("dense-64k", "topk64-64k", "topk16-64k", "base-8k", "dense-64k-s1",
-                                 "topk64-64k-s1", "topk64-minmax-64k"),
+                                 "topk64-64k-s1", "topk64-minmax-64k", "topk64-d01-64k", "topk128-64k"),
                                 ("ext-dense", "ext-topk64", "ext-tail-dense", "ext-tail-topk64",
                                  "ext-tail-topk64-d2"))):
         for a in group:
