@@ -360,6 +360,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=0, help="override the from-scratch arms' steps")
     parser.add_argument("--ext-steps", type=int, default=0, help="override the extension arms' steps")
     parser.add_argument("--report", action="store_true", help="write docs/quality.md and its plots from --results")
+    parser.add_argument("--doc", default=str(DOC), help="the page --report writes (its plots beside it)")
     args = parser.parse_args()
     study = smoke() if args.smoke else Study()
     if args.steps:
@@ -369,7 +370,7 @@ def main() -> None:
     work, results = Path(args.work), Path(args.results)
     if args.report:
         from quality_report import write_report
-        write_report(read_rows(results), DOC)
+        write_report(read_rows(results), Path(args.doc))
         return
     if args.arm:  # a child of run_study: the parent's settings and run information
         given = json.loads(os.environ["OOMB_QUALITY"])
