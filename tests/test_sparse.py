@@ -111,10 +111,12 @@ def test_dense_layers_among_top_k(backend):
     selection's worth of pages at a time, bitwise; offload 'all' equals the device pool bitwise."""
     model = make_model("qwen2", layers=2)
     ids = batch()
-    every = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3, dense_layers=(0, -1))
-    _, loss_every, grads_every = run(model, ids, every, backend)
-    _, loss_dense, grads_dense = run(model, ids, None, backend, group_pages=3)
-    assert torch.equal(loss_every, loss_dense) and all(torch.equal(grads_every[n], grads_dense[n]) for n in grads_dense)
+    if backend == "torch":  # the Triton kernels under the interpreter: the mixed pattern's exactness only
+        every = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3, dense_layers=(0, -1))
+        _, loss_every, grads_every = run(model, ids, every, backend)
+        _, loss_dense, grads_dense = run(model, ids, None, backend, group_pages=3)
+        assert torch.equal(loss_every, loss_dense)
+        assert all(torch.equal(grads_every[n], grads_dense[n]) for n in grads_dense)
     cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3, dense_layers=(-1,))
     engine, loss, grads = run(model, ids, cfg, backend)
     assert sorted(engine._selection) == [(c, 0) for c in range(4)]  # only layer 0 selects
@@ -125,8 +127,9 @@ def test_dense_layers_among_top_k(backend):
     for n, p in model.named_parameters():
         assert rel_err(grads[n], p.grad) <= 1e-4, n
     model.zero_grad(set_to_none=True)
-    _, loss_all, grads_all = run(model, ids, cfg, backend, offload="all")
-    assert torch.equal(loss, loss_all) and all(torch.equal(grads[n], grads_all[n]) for n in grads)
+    if backend == "torch":
+        _, loss_all, grads_all = run(model, ids, cfg, backend, offload="all")
+        assert torch.equal(loss, loss_all) and all(torch.equal(grads[n], grads_all[n]) for n in grads)
     with pytest.raises(ValueError, match="layer 2 does not exist in a model of 2 layers"):
         oomb.ChunkRecurrentEngine(model, chunk_size=CHUNK, page_size=PAGE, sparse=oomb.TopKPages(dense_layers=(2,)))
 

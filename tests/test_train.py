@@ -98,8 +98,10 @@ def test_cli_plan_json():
 
 
 def test_cli_eval(capsys):
-    main(["eval", "--seq-len", "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu"])
-    result = json.loads(capsys.readouterr().out)
+    main(["eval", "--seq-len", "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert out[0].startswith("loss: tiny on copy, dense attention: loss ")  # the summary, then the JSON
+    result = json.loads(out[-1])
     assert result["tokens"] == 511 and abs(result["loss"] - torch.log(torch.tensor(256.0)).item()) < 0.5
 
 
@@ -463,3 +465,45 @@ def test_keep_attention_trains_identically(capsys):
     assert "kept attention" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="kept_host_gib=-1.0 must be >= 0"):
         TrainConfig(kept_host_gib=-1.0)
+
+
+def test_loss_last_needles_rope_and_heldout_windows(tmp_path, monkeypatch):
+    """--loss-last: the engine sees labels only on each sequence's last tokens; --needle-rate: some
+    sequences carry needles; --rope-theta reaches the model and its export; --eval-data: the held-out
+    batches are the file's first windows."""
+    import numpy as np
+
+    from oomb.engine import ChunkRecurrentEngine
+    tokens = np.random.default_rng(0).integers(0, 256, 5000).astype(np.uint8)
+    np.save(tmp_path / "t.npy", tokens)
+    seen = []
+    evaluate, forward_backward = ChunkRecurrentEngine.evaluate, ChunkRecurrentEngine.forward_backward
+
+    def fb(self, ids, labels, **kw):
+        seen.append(("train", ids.clone(), labels.clone()))
+        return forward_backward(self, ids, labels, **kw)
+
+    def ev(self, ids, labels=None, **kw):
+        seen.append(("eval", ids.clone(), labels))
+        return evaluate(self, ids, labels, **kw)
+    monkeypatch.setattr(ChunkRecurrentEngine, "forward_backward", fb)
+    monkeypatch.setattr(ChunkRecurrentEngine, "evaluate", ev)
+    cfg = TrainConfig(**{**SMALL, "seq_len": 512, "chunk_size": 128}, data=str(tmp_path / "t.npy"),
+                      eval_data=str(tmp_path / "t.npy"), eval_every=3, eval_batches=2, loss_last=100,
+                      needle_rate=1.0, needles_per_sequence=2, tokenizer="bytes", rope_theta=50_000.0,
+                      output_dir=str(tmp_path / "run"))
+    train(cfg)
+    for kind, ids, labels in seen:
+        if kind == "train":
+            assert (labels[:, :-100] == -100).all() and torch.equal(labels[:, -100:], ids[:, -100:])
+            assert b"The value of key" in bytes(ids[0].numpy().astype(np.uint8))  # every sequence a carrier
+    evals = [ids for kind, ids, _ in seen if kind == "eval"]
+    assert len(evals) == 2 and torch.equal(evals[0][0], torch.from_numpy(tokens[:512].astype(np.int64)))
+    assert torch.equal(evals[1][0], torch.from_numpy(tokens[512:1024].astype(np.int64)))
+    config = json.loads((tmp_path / "run" / "final" / "config.json").read_text())
+    assert config["rope_parameters"]["rope_theta"] == 50_000.0
+    with pytest.raises(ValueError, match="loss_last=512 must be >= 0 and < seq_len=512"):
+        TrainConfig(seq_len=512, loss_last=512)
+    with pytest.raises(ValueError, match="holds 9 windows of seq_len=512; 10 are needed"):
+        train(TrainConfig(**{**SMALL, "seq_len": 512}, eval_data=str(tmp_path / "t.npy"), eval_every=1,
+                          eval_batches=10))

@@ -129,7 +129,8 @@ def _paged_attn_bwd_dkdv_pages(
     taken most-visited first (Order (B, Hkv, n_pages)) so the longest programs start first: in
     a 1-D grid whose (b, KV head) varies fastest, every head's longest programs start in the
     first wave. (With heads slowest, the last head's started late: its SMs were active 82 % of
-    the top-k 64 kernel's cycles (ncu), and the kernel took 2.42 ms, 2.28 with this order; docs/benchmarks.md.)"""
+    the top-k 64 kernel's cycles (ncu), and the kernel took 2.42 ms, 2.28 with this order: H200,
+    2026-11-30, dbfe684; docs/experiments.md.)"""
     tiles_per_page = PAGE_SIZE // BLOCK_N
     n_bkv = tl.num_programs(0) // (n_pages * tiles_per_page)
     off_bkv = tl.program_id(0) % n_bkv
@@ -303,8 +304,8 @@ def _paged_attn_bwd_dq(
                                        WINDOWED, IN_PRECISION)
     else:
         # The slot loads stay inside this loop: with pointers, from registers (as in the
-        # forward) its pages measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms,
-        # docs/benchmarks.md).
+        # forward) its pages measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, 2026-11-30,
+        # ad1f8af; docs/experiments.md).
         for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
             slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
             base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,

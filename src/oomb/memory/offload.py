@@ -408,7 +408,7 @@ class _HostGroups:
 # keeps an SM from the compute a transfer is meant to overlap. 8 programs, each moving 32 KiB per
 # load, fill it (bench_copy.py on an H200: gather / scatter 49.4-51.1 / 51.9-52.3 GB/s at 8, 16
 # and 32 programs). 1M top-k step with every layer's pages on the host ('all'), 8 vs 32 programs:
-# float8 146.8 vs 155.1 s, bf16 169.8 vs 171.9 s (docs/benchmarks.md).
+# float8 146.8 vs 155.1 s, bf16 169.8 vs 171.9 s (H200, 2026-11-30, 7e531eb).
 COPY_PROGRAMS = 8
 
 

@@ -1,7 +1,7 @@
 """Float8 linear layers (torchao) in the decoder layers oomb runs.
 
 A long step on an H200 is bound by the GPU's power, not by its schedule: it runs at the 700 W
-cap, its clock ~15 % below full (docs/benchmarks.md), and the layers' GEMMs are half of its time.
+cap, its clock ~15 % below full (H200, 2026-11-30, aea42d9), and the layers' GEMMs are half of its time.
 Float8 GEMMs do the same products at about half the energy. torchao's `Float8Linear` replaces
 each projection of the decoder layers (attention q/k/v/o, the MLP); the engine calls those
 modules chunk by chunk, so nothing else changes. The LM head, embeddings, norms, attention and
