@@ -15,7 +15,7 @@ seed and steps, in several arms:
     ext-tail-topk64-d2   the same with the last two layers dense (the published fix)
 and, when named in --arms: dense-64k-s1 and topk64-64k-s1 (another seed: the run-to-run spread),
 topk64-minmax-64k (pages scored by their keys' min/max, Quest, instead of their mean), topk64-d01-64k
-(the first two layers dense) and topk128-64k (a larger budget).
+(the first two layers dense), topk128-64k (a larger budget) and topk64-sinks4-64k (4 sink pages).
 
 Every arm's final model is then evaluated on held-out packages, with the attention it was trained
 with and with the other (a top-k model read densely, a dense one read with top-k 64): loss by
@@ -105,16 +105,25 @@ class Arm:
     tail: bool = False  # loss on the last `tail` tokens only
     seed: int = 0  # added to the study's seed (weights and data order): a replicate
     representative: str = "mean"  # how top-k scores a page (TopKPages.representative)
+    sinks: int = 1  # pages every query block attends (TopKPages.sink_pages)
     extra: bool = False  # a replicate or ablation: run when named in --arms (or --arms all)
 
     @property
     def attention(self) -> str:
-        return label(self.budget, self.representative)
+        return label(self.budget, self.representative, self.sinks)
+
+    def reads(self, budget: int) -> tuple[str, int]:
+        """(representative, sink pages) of a top-k read at `budget`: the arm's own at its budget,
+        plain top-k (mean, one sink page) otherwise."""
+        return (self.representative, self.sinks) if budget == self.budget else ("mean", 1)
 
 
-def label(budget: int, representative: str = "mean") -> str:
-    """How rows name an attention: dense, top-64, top-64-minmax."""
-    return (f"top-{budget}" + ("" if representative == "mean" else f"-{representative}")) if budget else "dense"
+def label(budget: int, representative: str = "mean", sinks: int = 1) -> str:
+    """How rows name an attention: dense, top-64, top-64-minmax, top-64-sinks4."""
+    if not budget:
+        return "dense"
+    return (f"top-{budget}" + ("" if representative == "mean" else f"-{representative}")
+            + ("" if sinks == 1 else f"-sinks{sinks}"))
 
 
 ARMS = [
@@ -137,6 +146,8 @@ ARMS = [
     Arm("topk64-d01-64k", "top-k 64 pages, the first two layers dense, from scratch", budget=64, dense_layers="0,1",
         extra=True),
     Arm("topk128-64k", "top-k 128 pages, from scratch", budget=128, extra=True),
+    Arm("topk64-sinks4-64k", "top-k 64 pages of which the first 4 always, from scratch", budget=64, sinks=4,
+        extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 OTHER_BUDGET = 64  # a dense arm is also read with top-k 64
@@ -173,7 +184,7 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         warmup_steps=study.ext_warmup if arm.extends else study.warmup,
         weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, seq_len), page_size=study.page_size,
         sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
-        sparse_representative=arm.representative,
+        sparse_representative=arm.representative, sparse_sink_pages=arm.sinks,
         rope_theta=study.ext_theta if arm.extends else None, loss_last=study.tail if arm.tail else 0,
         needle_rate=study.needle_rate, needles_per_sequence=study.needles_per_sequence, tokenizer="bytes",
         output_dir=str(out), save_every=study.save_every, eval_every=study.eval_every, eval_batches=1,
@@ -210,9 +221,9 @@ def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: 
 
     model = load_model(str(work / "arms" / arm.name / "final"), device=device,
                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
-    representative = arm.representative if budget == arm.budget else "mean"  # the other attention: plain top-k
-    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense),
-                       representative=representative) if budget else None
+    representative, sinks = arm.reads(budget)
+    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense), representative=representative,
+                       sink_pages=min(sinks, study.pages(budget))) if budget else None
     engine = ChunkRecurrentEngine(model, chunk_size=study.chunk_size, page_size=study.page_size, sparse=sparse,
                                   kv_grad_dtype=None, backend=study.backend, offload="auto")
     held = open_tokens(data / "heldout.npy", engine.adapter.vocab_size)
@@ -226,7 +237,7 @@ def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: 
         result = tasks.selection_recall(engine, windows(held, study.seq_len, 1, 1), study.seq_len,
                                         study.recall_chunks, study.recall_blocks, study.seed)
         result.pop("samples")
-    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, representative),
+    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, representative, sinks),
             "dense_layers": dense}
 
 
@@ -248,7 +259,7 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
                + [{"study": "quality", "arm": name, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
                    "config": dataclasses.asdict(cfg), **info}])
     for task, budget, dense in evaluations(arm):
-        attention = label(budget, arm.representative if budget == arm.budget else "mean")
+        attention = label(budget, *arm.reads(budget))
         if (task, attention, dense) in done:
             continue
         r = evaluate(arm, study, work, data, task, budget, dense)
@@ -280,7 +291,7 @@ def complete(name: str, rows: list[dict]) -> bool:
     arm = BY_NAME[name]
     have = {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in rows
             if r.get("arm") == name and r.get("kind") == "eval"}
-    want = {(t, label(b, arm.representative if b == arm.budget else "mean"), d) for t, b, d in evaluations(arm)}
+    want = {(t, label(b, *arm.reads(b)), d) for t, b, d in evaluations(arm)}
     return want <= have
 
 

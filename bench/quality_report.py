@@ -19,7 +19,8 @@ REFERENCE = {"dense-64k": "dense-64k", "topk64-64k": "dense-64k", "topk16-64k": 
              "base-8k": "dense-64k", "ext-dense": "ext-dense", "ext-topk64": "ext-dense",
              "ext-tail-dense": "ext-tail-dense", "ext-tail-topk64": "ext-tail-dense",
              "ext-tail-topk64-d2": "ext-tail-dense", "dense-64k-s1": "dense-64k-s1", "topk64-64k-s1": "dense-64k-s1",
-             "topk64-minmax-64k": "dense-64k", "topk64-d01-64k": "dense-64k", "topk128-64k": "dense-64k"}
+             "topk64-minmax-64k": "dense-64k", "topk64-d01-64k": "dense-64k", "topk128-64k": "dense-64k",
+             "topk64-sinks4-64k": "dense-64k"}
 
 
 def _k(n: int) -> str:
@@ -60,6 +61,7 @@ def _attention(cfg: dict) -> str:
         return "dense"
     extra = f", layers {cfg['sparse_dense_layers']} dense" if cfg.get("sparse_dense_layers") else ""
     how = "" if cfg.get("sparse_representative", "mean") == "mean" else f" ({cfg['sparse_representative']})"
+    how += f", {cfg['sparse_sink_pages']} sink pages" if cfg.get("sparse_sink_pages", 1) != 1 else ""
     return f"top-k {cfg['sparse_budget']}{how}{extra}"
 
 
@@ -141,56 +143,55 @@ def _smooth(xs: list[float], k: int = 10) -> list[float]:
     return [sum(xs[max(0, i - k + 1) : i + 1]) / len(xs[max(0, i - k + 1) : i + 1]) for i in range(len(xs))]
 
 
-def plot_training(r: Rows, path: Path) -> None:
+SCRATCH = ("dense-64k", "topk64-64k", "topk16-64k", "base-8k", "dense-64k-s1", "topk64-64k-s1",
+           "topk64-minmax-64k", "topk64-d01-64k", "topk128-64k", "topk64-sinks4-64k")
+EXTENSION = ("ext-dense", "ext-topk64", "ext-tail-dense", "ext-tail-topk64", "ext-tail-topk64-d2")
+
+
+def _two_panels(path: Path, draw, xlabel: str, ylabel: str, titles: tuple[str, str], log_x: bool = False) -> None:
+    """The from-scratch arms on the left, the extension arms on the right: draw(ax, arm) each."""
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, group in zip(axes, (("dense-64k", "topk64-64k", "topk16-64k", "base-8k", "dense-64k-s1",
-                                 "topk64-64k-s1", "topk64-minmax-64k", "topk64-d01-64k", "topk128-64k"),
-                                ("ext-dense", "ext-topk64", "ext-tail-dense", "ext-tail-topk64",
-                                 "ext-tail-topk64-d2"))):
+    for ax, group, title in zip(axes, (SCRATCH, EXTENSION), titles):
         for a in group:
-            steps = [x for x in r.train[a] if "loss" in x]
-            if steps:
-                ax.plot([x["step"] for x in steps], _smooth([x["loss"] for x in steps]), label=a)
-            evals = [x for x in r.train[a] if "eval_loss" in x]
-            if evals:
-                ax.plot([x["step"] for x in evals], [x["eval_loss"] for x in evals], "o", ms=3,
-                        color=ax.lines[-1].get_color() if ax.lines else None)
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss (10-step mean; dots: held-out)")
+            draw(ax, a)
+        if log_x:
+            ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    axes[0].set_title("from scratch")
-    axes[1].set_title("context extension 8K -> 64K (tail arms: loss on the last tokens)")
+        if ax.lines:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_training(r: Rows, path: Path) -> None:
+    def draw(ax, a):
+        steps = [x for x in r.train[a] if "loss" in x]
+        if steps:
+            ax.plot([x["step"] for x in steps], _smooth([x["loss"] for x in steps]), label=a)
+        evals = [x for x in r.train[a] if "eval_loss" in x]
+        if evals and steps:
+            ax.plot([x["step"] for x in evals], [x["eval_loss"] for x in evals], "o", ms=3,
+                    color=ax.lines[-1].get_color())
+    _two_panels(path, draw, "step", "training loss (10-step mean; dots: held-out)",
+                ("from scratch", "context extension 8K -> 64K (tail arms: loss on the last tokens)"))
 
 
 def plot_position_loss(r: Rows, path: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, group in zip(axes, (("dense-64k", "topk64-64k", "topk16-64k", "base-8k", "dense-64k-s1",
-                                 "topk64-64k-s1", "topk64-minmax-64k", "topk64-d01-64k", "topk128-64k"),
-                                ("ext-dense", "ext-topk64", "ext-tail-dense", "ext-tail-topk64",
-                                 "ext-tail-topk64-d2"))):
-        for a in group:
-            for which, style in (("own", "-"), ("other", ":")):
-                pl = getattr(r, which)(a, "position-loss")
-                if pl is None:
-                    continue
-                xs = [max(1.0, (b["start"] * b["end"]) ** 0.5 if b["start"] else 1.0) for b in pl["buckets"]]
-                color = None if which == "own" else ax.lines[-1].get_color()
-                ax.plot(xs, [b["loss"] for b in pl["buckets"]], style, marker="o", ms=2, color=color,
-                        label=f"{a}" + ("" if which == "own" else f" read {pl['attention']}"))
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("position (tokens)")
-        ax.set_ylabel("held-out loss (nats per byte)")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    axes[0].set_title("from scratch (dotted: read with the other attention)")
-    axes[1].set_title("context extension")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    def draw(ax, a):
+        for which, style in (("own", "-"), ("other", ":")):
+            pl = getattr(r, which)(a, "position-loss")
+            if pl is None:
+                continue
+            xs = [max(1.0, (b["start"] * b["end"]) ** 0.5 if b["start"] else 1.0) for b in pl["buckets"]]
+            color = None if which == "own" else ax.lines[-1].get_color()
+            ax.plot(xs, [b["loss"] for b in pl["buckets"]], style, marker="o", ms=2, color=color,
+                    label=f"{a}" + ("" if which == "own" else f" read {pl['attention']}"))
+    _two_panels(path, draw, "position (tokens)", "held-out loss (nats per byte)",
+                ("from scratch (dotted: read with the other attention)", "context extension"), log_x=True)
 
 
 def plot_retrieval(r: Rows, path: Path) -> None:
