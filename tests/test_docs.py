@@ -67,3 +67,15 @@ def test_relative_links_resolve(doc):
         elif anchor and file.endswith(".md") and anchor not in anchors(file):
             broken.append(f"{target}: no heading #{anchor} in {os.path.relpath(file, ROOT)}")
     assert not broken, "\n".join(broken)
+
+
+def test_tests_the_docs_name_exist():
+    """Every `tests/<file>.py::<test>` the docs cite (the error table) is a test that exists."""
+    cited = set()
+    for path in DOCS:
+        with open(path, encoding="utf-8") as f:
+            cited |= set(re.findall(r"(tests/\w+\.py)::(\w+)", f.read()))
+    assert len(cited) >= 10
+    for file, name in sorted(cited):
+        with open(os.path.join(ROOT, file), encoding="utf-8") as f:
+            assert re.search(rf"^def {name}\(", f.read(), flags=re.M), f"{file}::{name}"

@@ -132,8 +132,9 @@ def test_torchrun_tensor_parallel_training_resumes_exactly(tmp_path):
     full = run("--output-dir", str(tmp_path), "--save-every", "2")
     assert sorted(full) == [1, 2, 3]  # one log line a step: rank 0 only
     ckpt = tmp_path / "step-000002"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["model.safetensors", "optimizer-rank0.pt",
-                                                       "optimizer-rank1.pt", "trainer.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.safetensors", "optimizer-rank0.pt",
+                                                       "optimizer-rank1.pt", "rng-rank0.pt", "rng-rank1.pt",
+                                                       "trainer.json"]
     # The export gathers the shards: transformers loads the whole trained model.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
@@ -175,7 +176,7 @@ def test_torchrun_data_parallel_with_sharded_optimizer_state(tmp_path):
     assert sorted(resumed) == [3, 4] and resumed == {3: sharded[3], 4: sharded[4]}
     from oomb.train.config import TrainConfig
     from oomb.train.trainer import train
-    with pytest.raises(ValueError, match="has no optimizer.pt: it was written with another parallel layout"):
+    with pytest.raises(ValueError, match=r"another run configuration \(processes: 2 there, 1 here\)"):
         train(TrainConfig(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu",
                           resume=str(tmp_path / "step-000002")))  # one process
 

@@ -320,10 +320,14 @@ def main(argv: list[str] | None = None) -> None:
     p_tok.set_defaults(func=cmd_tokenize)
 
     args = parser.parse_args(argv)
+    from .train.interrupt import TrainingStopped
+
     try:
         args.func(args)
     except ValueError as e:  # user errors: one clear line, no stack trace
         sys.exit(f"oomb {args.command}: error: {e}")
+    except TrainingStopped as e:
+        sys.exit(f"oomb {args.command}: stopped: {e}")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,9 @@
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
         optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP
                             and under ZeRO-1: each rank's share; resume with the same layout)
-        trainer.json        step, config
+        rng-rank{r}.pt      each rank's torch RNG states (CPU and CUDA): dropout repeats exactly
+        trainer.json        step, batches the data stream has given, parallel layout, config
+        manifest.json       every other file's size and SHA-256, written last: a resume checks them
     <output_dir>/final/     at the end: the trained model as transformers writes it
                             (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
                             does (PeftModel.from_pretrained on the base), plus the tokenizer
@@ -12,9 +14,11 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -30,6 +34,10 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+#: config fields a resume must share with the checkpoint (the data position and the parameter set)
+RESUME_FIELDS = ("model", "seq_len", "batch", "grad_accum", "lora_rank", "tp")
 
 
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
@@ -48,7 +56,10 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     _barrier()  # the temporary directory exists before any rank writes into it
     if write:
         save_file(state, tmp / "model.safetensors")
-        (tmp / "trainer.json").write_text(json.dumps({"step": step, "config": dataclasses.asdict(config)}, indent=2))
+        info = {"step": step, "batches_seen": step * config.grad_accum, "world_size": _world(),
+                "config": dataclasses.asdict(config)}
+        (tmp / "trainer.json").write_text(json.dumps(info, indent=2))
+    torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
     zero = _is_zero(optimizer)
     per_rank = sharded or zero
     if per_rank or write:
@@ -60,9 +71,84 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
                    tmp / _optimizer_file(per_rank))
     _barrier()
     if write:
+        _write_manifest(tmp)
         _publish(tmp, final)
     _barrier()
     return final
+
+
+def _write_manifest(path: Path) -> None:
+    """Sizes and SHA-256 of every file of a written checkpoint, in manifest.json, written last."""
+    files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(path.iterdir())
+             if f.is_file() and f.name != "manifest.json"}
+    (path / "manifest.json").write_text(json.dumps({"files": files}, indent=1))
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 * 2**20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def verify(path: str | Path) -> None:
+    """Raise ValueError naming a missing, truncated or corrupted file of a checkpoint (checked
+    against its manifest), before anything reads it."""
+    path = Path(path)
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        warnings.warn(f"checkpoint {path} has no manifest.json (written by an older oomb): its files are not "
+                      "checked", stacklevel=2)
+        return
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError):
+        raise ValueError(f"checkpoint {path}: manifest.json is unreadable; the checkpoint is damaged, resume from "
+                         "another one") from None
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            raise ValueError(f"checkpoint {path} is incomplete: {name} is missing; resume from another checkpoint")
+        size = f.stat().st_size
+        if size != want["bytes"]:
+            raise ValueError(f"checkpoint {path}: {name} has {size:,} bytes, the manifest says {want['bytes']:,} "
+                             "(truncated or overwritten); resume from another checkpoint")
+        if _sha256(f) != want["sha256"]:
+            raise ValueError(f"checkpoint {path}: {name} is corrupted (its SHA-256 differs from the manifest's); "
+                             "resume from another checkpoint")
+
+
+def check_compatible(path: str | Path, config) -> dict:
+    """trainer.json of a checkpoint, after checking that this run can continue it: the same model,
+    sequence length, batch layout, LoRA rank and parallel layout (ValueError naming each
+    difference)."""
+    path = Path(path)
+    info = json.loads((path / "trainer.json").read_text())
+    saved = info.get("config", {})
+    diffs = [f"{k}: {saved[k]!r} there, {getattr(config, k)!r} here" for k in RESUME_FIELDS
+             if k in saved and saved[k] != getattr(config, k)]
+    if info.get("world_size", _world()) != _world():
+        diffs.append(f"processes: {info['world_size']} there, {_world()} here")
+    if diffs:
+        raise ValueError(f"--resume {path} was written by another run configuration ({'; '.join(diffs)}); "
+                         "resume with the settings it was written with")
+    return info
+
+
+def _rng_state() -> dict:
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def _restore_rng(path: Path) -> None:
+    file = path / f"rng-rank{_rank()}.pt"
+    if not file.is_file():  # an older checkpoint: the run continues with this process's RNG
+        return
+    state = torch.load(file, weights_only=True)
+    torch.set_rng_state(state["cpu"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def export(output_dir: str | Path, model, source: str, write: bool = True) -> Path:
@@ -133,16 +219,25 @@ def _world() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
 
 
-def load(path: str | Path, model, optimizer, scheduler) -> int:
-    """Restore a checkpoint written by save(); returns the step it was taken at."""
+def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
+    """Restore a checkpoint written by save() (its files checked against the manifest first, and
+    with `config`, that this run can continue it); returns the step it was taken at. The RNG
+    states are restored too: a resumed run computes what the uninterrupted one would have."""
     path = Path(path)
     if not (path / "trainer.json").is_file():
         raise ValueError(f"--resume {str(path)!r} is not a checkpoint directory (no trainer.json in it)")
+    verify(path)
+    if config is not None:
+        check_compatible(path, config)
     state = load_file(path / "model.safetensors")
     params = dict(model.named_parameters())
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
@@ -173,4 +268,5 @@ def load(path: str | Path, model, optimizer, scheduler) -> int:
     else:
         optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
+    _restore_rng(path)
     return json.loads((path / "trainer.json").read_text())["step"]

@@ -78,6 +78,7 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
     resume: str = ""  # a checkpoint directory written by this trainer
     log_every: int = 1
+    max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
     eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
     eval_data: str = ""  # its source (as --data); empty: the training source with another seed
     eval_batches: int = 1  # batches of the held-out set (the same ones at every evaluation)
@@ -92,7 +93,8 @@ class TrainConfig:
                   ("steps", self.steps, 1),
                   ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
                   ("group_pages", self.group_pages, 1),
-                  ("log_every", self.log_every, 1), ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
+                  ("log_every", self.log_every, 1), ("max_bad_steps", self.max_bad_steps, 1),
+                  ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
                   ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),
                   ("sparse_budget", self.sparse_budget, 0),
                   ("eval_every", self.eval_every, 0), ("eval_batches", self.eval_batches, 1)]

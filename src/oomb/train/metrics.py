@@ -43,6 +43,12 @@ class StepLogger:
                       "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
                       "peak_mem_gib": round(mem, 3)})
 
+    def log_skipped(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
+        """A step whose loss or gradient norm was not finite: no optimizer step (metrics.jsonl keeps
+        the count; JSON has no NaN, so the values are strings)."""
+        self._record({"step": step, "skipped": True, "loss": str(loss), "grad_norm": str(grad_norm),
+                      "bad_in_a_row": in_a_row})
+
     def log_eval(self, step: int, loss: float, tokens: int, seconds: float) -> None:
         print(f"eval {step:>5}/{self.total_steps}  loss {loss:.4f}  ppl {math.exp(min(loss, 700)):.2f}  "
               f"({tokens:,} tokens, {seconds:.1f}s)", file=self.stream, flush=True)

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import math
 import os
+import shlex
+import signal
+import sys
 import time
 from functools import partial
 
@@ -20,6 +23,7 @@ from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
+from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -154,6 +158,39 @@ def lost_update_fraction(params: list, lr: float) -> float:
     return int(frozen) / total  # one device sync
 
 
+def _stop_requested(interrupt: Interrupt, distributed: bool, device: torch.device) -> bool:
+    """Whether to stop after this step: a signal here, or (torch.distributed) on any rank, agreed by
+    one collective so that every rank stops after the same step."""
+    if not distributed:
+        return interrupt.requested
+    flag = torch.tensor([float(interrupt.requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    if flag.item() and not interrupt.requested:  # another rank's signal: stop with it
+        interrupt.signum = signal.SIGTERM
+    return bool(flag.item())
+
+
+def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, rank0: bool,
+                       distributed: bool) -> None:
+    """After a signal: a checkpoint of the last finished step, how to resume, exit 128 + signal."""
+    path = save(step) if cfg.output_dir and step > 0 else ""
+    if rank0:
+        if path:
+            argv = [a for i, a in enumerate(sys.argv) if a != "--resume" and (i == 0 or sys.argv[i - 1] != "--resume")
+                    and not a.startswith("--resume=")]
+            command = shlex.join(["oomb" if os.path.basename(argv[0]) in ("oomb", "cli.py") else argv[0], *argv[1:],
+                                  "--resume", path])
+            print(f"oomb train: stopped by {interrupt.name} after step {step} of {cfg.steps}; checkpoint {path}\n"
+                  f"resume with: {command}", flush=True)
+        else:
+            why = "no --output-dir" if not cfg.output_dir else "no step had finished"
+            print(f"oomb train: stopped by {interrupt.name} after step {step} of {cfg.steps}; no checkpoint ({why})",
+                  flush=True)
+    if distributed:
+        dist.destroy_process_group()
+    raise SystemExit(interrupt.exit_code())
+
+
 def rope_summary(config) -> str:
     p = getattr(config, "rope_parameters", None) or {}
     extra = f" x{p['factor']:g}" if "factor" in p else ""
@@ -256,7 +293,7 @@ def train(cfg: TrainConfig) -> list[float]:
     held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    step = checkpoint.load(cfg.resume, model, optimizer, scheduler) if cfg.resume else 0
+    step = checkpoint.load(cfg.resume, model, optimizer, scheduler, cfg) if cfg.resume else 0
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
         next(data)
 
@@ -287,51 +324,91 @@ def train(cfg: TrainConfig) -> list[float]:
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
-    losses = []
-    while step < cfg.steps:
-        micro = [next(data) for _ in range(cfg.grad_accum)]
-        if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
-            micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
-                                      labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
-        for input_ids, _ in micro:
-            if int(input_ids.max()) >= vocab:
-                raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size={vocab}; "
-                                 "the data was tokenised for another model")
-        t0 = time.perf_counter()
-        # One denominator for the whole step: the predicted tokens of every micro-batch on every
-        # data-parallel rank, so the summed gradients are those of one big batch.
-        count = global_token_count(torch.cat([labels for _, labels in micro]), dp_group)  # one all-reduce
-        loss_t = torch.zeros((), dtype=torch.float32, device=device)
-        for m, (input_ids, labels) in enumerate(micro):
-            desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
-            with chunk_progress(desc, enabled=rank0) as progress:
-                loss_t += engine.forward_backward(input_ids, labels, num_tokens=count, progress=progress).loss
-        all_reduce_gradients(model, dp_group)
-        grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        step += 1
-        if distributed:
-            dist.all_reduce(loss_t, group=dp_group)  # each rank's CE sum / the global count
-        loss = float(loss_t)
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step}; lower --lr (now {cfg.lr}) or check the data")
-        losses.append(loss)
-        if rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-            logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
-                       float(scheduler.get_last_lr()[0]), grad_norm)  # torchao keeps lr as a tensor
-        if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+    interrupt = Interrupt(announce=rank0)
+
+    saved = {}
+
+    def save(step: int) -> str:
+        if step not in saved:  # a signal right after a scheduled save reuses it
+            saved[step] = str(checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0))
+            if rank0:
+                print(f"saved {saved[step]}", flush=True)
+        return saved[step]
+
+    def progress_of(bar):
+        def progress(done: int, total: int) -> None:
+            bar(done, total)
+            if interrupt.requested and not distributed:  # one process: stop now, between two chunks
+                raise StepAbandoned
+        return progress
+
+    losses, bad = [], 0
+    try:
+        while step < cfg.steps:
+            micro = [next(data) for _ in range(cfg.grad_accum)]
+            if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
+                micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
+                                          labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
+            for input_ids, _ in micro:
+                if int(input_ids.max()) >= vocab:
+                    raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size="
+                                     f"{vocab}; the data was tokenised for another model")
             t0 = time.perf_counter()
-            eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
-            if rank0:
-                logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
-        if cfg.output_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-            path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
-            if rank0:
-                print(f"saved {path}", flush=True)
+            # One denominator for the whole step: the predicted tokens of every micro-batch on every
+            # data-parallel rank, so the summed gradients are those of one big batch.
+            count = global_token_count(torch.cat([labels for _, labels in micro]), dp_group)  # one all-reduce
+            loss_t = torch.zeros((), dtype=torch.float32, device=device)
+            try:
+                for m, (input_ids, labels) in enumerate(micro):
+                    desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
+                    with chunk_progress(desc, enabled=rank0) as bar:
+                        loss_t += engine.forward_backward(input_ids, labels, num_tokens=count,
+                                                          progress=progress_of(bar)).loss
+            except StepAbandoned:
+                optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+                break
+            all_reduce_gradients(model, dp_group)
+            grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
+            if distributed:
+                dist.all_reduce(loss_t, group=dp_group)  # each rank's CE sum / the global count
+            loss = float(loss_t)
+            finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank
+            if finite:
+                optimizer.step()
+                bad = 0
+            else:
+                bad += 1
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            step += 1
+            losses.append(loss)
+            if rank0 and not finite:
+                print(f"oomb train: step {step}: loss {loss}, gradient norm {grad_norm}: not finite, optimizer step "
+                      f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
+                logger.log_skipped(step, loss, grad_norm, bad)
+            elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
+                logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
+                           float(scheduler.get_last_lr()[0]), grad_norm)  # torchao keeps lr as a tensor
+            if bad >= cfg.max_bad_steps:
+                where = f"; the weights of step {step - bad} are in {save(step)}" if cfg.output_dir else ""
+                raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
+                                      f"{step - bad + 1}-{step}){where}. Lower --lr (now {cfg.lr:g}), check the data "
+                                      "of those steps, or raise --max-bad-steps")
+            if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+                t0 = time.perf_counter()
+                eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
+                if rank0:
+                    logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
+            if cfg.output_dir and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+                save(step)
+            if _stop_requested(interrupt, distributed, device):
+                break
+    finally:
+        interrupt.restore()
+    if interrupt.requested:
+        _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.output_dir:
         path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
         if rank0:

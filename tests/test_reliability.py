@@ -1,0 +1,142 @@
+"""Runs that survive interruption: signals, exact resume, checkpoint integrity, non-finite steps."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from oomb.train import checkpoint
+from oomb.train.config import TrainConfig
+from oomb.train.interrupt import Interrupt, TrainingStopped
+from oomb.train.trainer import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = dict(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu")
+ARGS = ["--steps", "6", "--seq-len", "1024", "--chunk-size", "256", "--page-size", "64", "--backend", "torch",
+        "--device", "cpu", "--lr", "1e-2"]
+
+
+def cli(*args):
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    return subprocess.Popen([sys.executable, "-m", "oomb.cli", "train", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def losses(output_dir) -> dict:
+    rows = [json.loads(line) for line in open(os.path.join(output_dir, "metrics.jsonl"))]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path):
+    """A real SIGTERM after two logged steps: the step in progress is abandoned, the last finished
+    one checkpointed, exit 143 with the command to resume; resumed to the end, every step's loss
+    equals the uninterrupted run's, bit for bit."""
+    run = cli(*ARGS, "--output-dir", str(tmp_path / "run"))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 120
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 2):
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.02)
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=120)
+    assert run.returncode == 143, (out, err)
+    assert "SIGTERM received" in err and "stopped by SIGTERM after step" in out
+    step = int(out.split("stopped by SIGTERM after step ")[1].split()[0])
+    assert 2 <= step < 6
+    ckpt = tmp_path / "run" / f"step-{step:06d}"
+    assert f"resume with: oomb train {' '.join(ARGS)} --output-dir {tmp_path / 'run'} --resume {ckpt}" in out
+    assert (ckpt / "manifest.json").is_file() and not list((tmp_path / "run").glob("*.tmp"))
+    resumed = cli(*ARGS, "--output-dir", str(tmp_path / "run"), "--resume", str(ckpt))
+    out = resumed.communicate(timeout=300)
+    assert resumed.returncode == 0, out
+    reference = cli(*ARGS, "--output-dir", str(tmp_path / "ref"))
+    out = reference.communicate(timeout=300)
+    assert reference.returncode == 0, out
+    ref = losses(tmp_path / "ref")
+    assert sorted(ref) == list(range(1, 7)) and losses(tmp_path / "run") == ref
+
+
+def test_second_signal_exits_at_once(monkeypatch):
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    interrupt = Interrupt(announce=False)
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert interrupt.requested and interrupt.name == "SIGINT" and not exits
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert exits == [128 + signal.SIGTERM]
+    finally:
+        interrupt.restore()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_checkpoint_integrity_names_the_damaged_file(tmp_path):
+    train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2))
+    ckpt = tmp_path / "step-000002"
+    manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert {"model.safetensors", "optimizer.pt", "trainer.json", "rng-rank0.pt"} <= set(manifest)
+    checkpoint.verify(ckpt)
+    model = ckpt / "model.safetensors"
+    data = bytearray(model.read_bytes())
+    data[len(data) // 2] ^= 0x10  # one bit flipped: same size
+    model.write_bytes(bytes(data))
+    with pytest.raises(ValueError, match="model.safetensors is corrupted"):
+        train(TrainConfig(**SMALL, resume=str(ckpt)))
+    data[len(data) // 2] ^= 0x10
+    model.write_bytes(bytes(data))
+    checkpoint.verify(ckpt)  # whole again
+    opt = ckpt / "optimizer.pt"
+    whole = opt.read_bytes()
+    opt.write_bytes(whole[:100])
+    with pytest.raises(ValueError, match=r"optimizer.pt has 100 bytes, the manifest says [\d,]+ \(truncated"):
+        checkpoint.verify(ckpt)
+    opt.write_bytes(whole)
+    (ckpt / "rng-rank0.pt").unlink()
+    with pytest.raises(ValueError, match="incomplete: rng-rank0.pt is missing"):
+        checkpoint.verify(ckpt)
+
+
+def test_resume_with_another_configuration_is_refused(tmp_path):
+    train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2))
+    with pytest.raises(ValueError, match=r"another run configuration \(seq_len: 256 there, 512 here; "
+                                         r"lora_rank: 0 there, 4 here\)"):
+        train(TrainConfig(**{**SMALL, "seq_len": 512}, lora_rank=4, resume=str(tmp_path / "step-000002")))
+
+
+def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch, capsys):
+    """A NaN gradient skips the optimizer step (weights unchanged, counted in metrics.jsonl); three
+    in a row stop the run with a checkpoint of the last good weights and a clear message."""
+    from oomb.engine import ChunkRecurrentEngine
+    real = ChunkRecurrentEngine.forward_backward
+    calls = {"n": 0}
+    poisoned = {2, 4, 5, 6}
+
+    def forward_backward(self, *args, **kwargs):
+        calls["n"] += 1
+        result = real(self, *args, **kwargs)
+        if calls["n"] in poisoned:
+            next(p for p in self.model.parameters() if p.grad is not None).grad.fill_(float("nan"))
+        return result
+
+    monkeypatch.setattr(ChunkRecurrentEngine, "forward_backward", forward_backward)
+    weights = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *a, **k):
+        weights.append(self.param_groups[0]["params"][0].detach().clone())
+        return step(self, *a, **k)
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    with pytest.raises(TrainingStopped, match=r"3 steps in a row had a non-finite loss or gradient norm \(steps 4-6\); "
+                                             r"the weights of step 3 are in .*step-000006"):
+        train(TrainConfig(**{**SMALL, "steps": 8}, output_dir=str(tmp_path)))
+    assert len(weights) == 2  # optimizer steps 1 and 3 only
+    out = capsys.readouterr().out
+    assert "step 2: loss" in out and "not finite, optimizer step skipped (1 in a row" in out
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("skipped")] == [2, 4, 5, 6]
+    assert [r["bad_in_a_row"] for r in rows if r.get("skipped")] == [1, 1, 2, 3]
+    assert (tmp_path / "step-000006" / "manifest.json").is_file()
