@@ -75,7 +75,9 @@ def test_second_signal_exits_at_once(monkeypatch):
 
 
 def test_checkpoint_integrity_names_the_damaged_file(tmp_path):
-    train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2))
+    train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, offload="all"))
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["host_rss_gib"] > 0 and r["pinned_gib"] > 0 for r in rows)  # memory after every step (soak)
     ckpt = tmp_path / "step-000002"
     manifest = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert {"model.safetensors", "optimizer.pt", "trainer.json", "rng-rank0.pt"} <= set(manifest)

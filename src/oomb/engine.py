@@ -197,6 +197,11 @@ class ChunkRecurrentEngine(PagePlacement):
             self.store.free_all()
         return StepResult(loss=total / denominator, num_tokens=count)
 
+    def pinned_bytes(self) -> int:
+        """Pinned host memory this engine holds: the host pages' arena and kept attention outputs."""
+        host = self.store.host
+        return host.host_bytes(host.batch, host.max_pages) + self.kept.arena_bytes
+
     def summed_params(self) -> list[nn.Parameter]:
         """The trainable parameters whose chunk gradients are summed in param_grad_dtype."""
         wide = self.param_grad_dtype

@@ -22,6 +22,28 @@ def peak_memory_gib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
+def host_rss_bytes() -> int | None:
+    """This process's resident host memory now (Linux: /proc/self/statm), or None elsewhere."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def memory_now(device: torch.device, pinned_bytes: int) -> dict:
+    """GiB in use now: GPU allocated and reserved (CUDA), host resident set, pinned host memory."""
+    gib = 2**30
+    out = {"pinned_gib": round(pinned_bytes / gib, 4)}
+    rss = host_rss_bytes()
+    if rss is not None:
+        out["host_rss_gib"] = round(rss / gib, 4)
+    if device.type == "cuda":
+        out["gpu_alloc_gib"] = round(torch.cuda.memory_allocated(device) / gib, 4)
+        out["gpu_reserved_gib"] = round(torch.cuda.memory_reserved(device) / gib, 4)
+    return out
+
+
 class StepLogger:
     def __init__(self, total_steps: int, device: torch.device, stream=None, metrics: str | None = None) -> None:
         self.total_steps = total_steps
@@ -32,7 +54,10 @@ class StepLogger:
             os.makedirs(os.path.dirname(metrics) or ".", exist_ok=True)
         self.start = time.perf_counter()
 
-    def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float) -> None:
+    def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
+            memory: dict | None = None) -> None:
+        """memory: memory_now()'s figures after the step, recorded in metrics.jsonl (a soak run's
+        evidence that nothing grows from step to step)."""
         elapsed = time.perf_counter() - self.start
         eta = elapsed / step * (self.total_steps - step) if step else 0.0
         mem = peak_memory_gib(self.device)
@@ -41,7 +66,7 @@ class StepLogger:
               f"elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
         self._record({"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
                       "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
-                      "peak_mem_gib": round(mem, 3)})
+                      "peak_mem_gib": round(mem, 3), **(memory or {})})
 
     def log_skipped(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
         """A step whose loss or gradient norm was not finite: no optimizer step (metrics.jsonl keeps

@@ -24,7 +24,7 @@ from . import checkpoint
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
-from .metrics import StepLogger, chunk_progress
+from .metrics import StepLogger, chunk_progress, memory_now
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -390,7 +390,8 @@ def train(cfg: TrainConfig) -> list[float]:
                 logger.log_skipped(step, loss, grad_norm, bad)
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
                 logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
-                           float(scheduler.get_last_lr()[0]), grad_norm)  # torchao keeps lr as a tensor
+                           float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
+                           memory_now(device, engine.pinned_bytes()))
             if bad >= cfg.max_bad_steps:
                 where = f"; the weights of step {step - bad} are in {save(step)}" if cfg.output_dir else ""
                 raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
