@@ -206,27 +206,32 @@ def evaluations(arm: Arm) -> list[tuple[str, int, str]]:
     return runs
 
 
-def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: int, dense: str) -> dict:
+def evaluation_key(arm: Arm, task: str, budget: int, dense: str) -> tuple[str, str, str]:
+    """How an evaluation's row is found again: (task, attention label, dense layers)."""
+    return task, label(budget, *arm.reads(budget)), dense
+
+
+def evaluated(name: str, rows: list[dict]) -> set[tuple[str, str, str]]:
+    """The evaluation keys an arm's rows already hold."""
+    return {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in rows
+            if r.get("arm") == name and r.get("kind") == "eval"}
+
+
+def evaluate(arm: Arm, study: Study, model, held, task: str, budget: int, dense: str) -> dict:
+    """One evaluation of an arm's final model (loaded once per arm) on the held-out tokens."""
     import numpy as np
 
     from oomb import ChunkRecurrentEngine, TopKPages
     from oomb.eval import tasks
-    from oomb.presets import load_model
-    from oomb.train.data import open_tokens, windows
+    from oomb.train.data import windows
     from oomb.train.needles import ByteCodec
-    from oomb.train.trainer import parse_layers, resolve_device
+    from oomb.train.trainer import parse_layers
 
-    device = resolve_device(study.device)
-    import torch
-
-    model = load_model(str(work / "arms" / arm.name / "final"), device=device,
-                       dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     representative, sinks = arm.reads(budget)
     sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense), representative=representative,
                        sink_pages=min(sinks, study.pages(budget))) if budget else None
     engine = ChunkRecurrentEngine(model, chunk_size=study.chunk_size, page_size=study.page_size, sparse=sparse,
                                   kv_grad_dtype=None, backend=study.backend, offload="auto")
-    held = open_tokens(data / "heldout.npy", engine.adapter.vocab_size)
     t0 = time.perf_counter()
     if task == "position-loss":
         result = tasks.position_loss(engine, windows(held, study.seq_len, 1, study.eval_windows), study.seq_len)
@@ -237,8 +242,8 @@ def evaluate(arm: Arm, study: Study, work: Path, data: Path, task: str, budget: 
         result = tasks.selection_recall(engine, windows(held, study.seq_len, 1, 1), study.seq_len,
                                         study.recall_chunks, study.recall_blocks, study.seed)
         result.pop("samples")
-    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, representative, sinks),
-            "dense_layers": dense}
+    return {**result, "eval_s": round(time.perf_counter() - t0, 1),
+            "attention": evaluation_key(arm, task, budget, dense)[1], "dense_layers": dense}
 
 
 def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) -> None:
@@ -248,8 +253,7 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
     arm = BY_NAME[name]
     data = corpus(study, work)
     out = work / "arms" / name
-    done = {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in read_rows(rows_file)
-            if r.get("arm") == name and r.get("kind") == "eval"}
+    done = evaluated(name, read_rows(rows_file))
     if not (out / "final" / "config.json").exists():
         cfg = train_config(arm, study, work, data)
         t0 = time.perf_counter()
@@ -258,11 +262,21 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
         append(rows_file, [{"study": "quality", "arm": name, "kind": "train", **r, **info} for r in steps]
                + [{"study": "quality", "arm": name, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
                    "config": dataclasses.asdict(cfg), **info}])
-    for task, budget, dense in evaluations(arm):
-        attention = label(budget, *arm.reads(budget))
-        if (task, attention, dense) in done:
-            continue
-        r = evaluate(arm, study, work, data, task, budget, dense)
+    todo = [e for e in evaluations(arm) if evaluation_key(arm, *e) not in done]
+    if not todo:
+        return
+    import torch
+
+    from oomb.presets import load_model
+    from oomb.train.data import open_tokens
+    from oomb.train.trainer import resolve_device
+
+    device = resolve_device(study.device)
+    model = load_model(str(out / "final"), device=device,
+                       dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
+    held = open_tokens(data / "heldout.npy", model.config.vocab_size)
+    for task, budget, dense in todo:
+        r = evaluate(arm, study, model, held, task, budget, dense)
         append(rows_file, [{"study": "quality", "arm": name, "kind": "eval", "trained_with": arm.attention,
                             "trained_dense_layers": arm.dense_layers, **r, **info}])
 
@@ -289,10 +303,7 @@ def append(path: Path, rows: list[dict]) -> None:
 
 def complete(name: str, rows: list[dict]) -> bool:
     arm = BY_NAME[name]
-    have = {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in rows
-            if r.get("arm") == name and r.get("kind") == "eval"}
-    want = {(t, label(b, *arm.reads(b)), d) for t, b, d in evaluations(arm)}
-    return want <= have
+    return {evaluation_key(arm, *e) for e in evaluations(arm)} <= evaluated(name, rows)
 
 
 # -- the study: arms in parallel, dependencies first -----------------------------------------
