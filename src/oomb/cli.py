@@ -125,14 +125,13 @@ def eval_batches(args, vocab: int):
 
 
 def cmd_eval(args) -> None:
-    from .attention.sparse import TopKPages
     from .engine import ChunkRecurrentEngine
     from .eval import plots, tasks
     from .models.rope import check_positions
     from .presets import load_model
     from .train.data import load_tokens
     from .train.metrics import ChunkBars
-    from .train.trainer import codec_for, parse_layers, resolve_device
+    from .train.trainer import codec_for, resolve_device, sparse_config
 
     if args.task not in EVAL_TASKS:
         raise ValueError(f"--task {args.task!r} is not one of {', '.join(EVAL_TASKS)}")
@@ -143,13 +142,9 @@ def cmd_eval(args) -> None:
                        rope_scaling=args.rope_scaling or None).eval()
     longest = max(args.lengths) if args.task == "retrieval" else args.seq_len
     check_positions(model.config, longest, args.rope_theta, args.rope_scaling)
-    sparse = None
-    if args.sparse_budget:
-        sparse = TopKPages(budget=args.sparse_budget, chunk_budget=max(args.sparse_chunk_budget, args.sparse_budget),
-                           sink_pages=args.sparse_sink_pages, representative=args.sparse_representative,
-                           dense_layers=parse_layers(args.sparse_dense_layers))
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
-                                  backend=args.backend, sparse=sparse, kv_grad_dtype=None)  # no backward: no dK/dV
+                                  backend=args.backend, sparse=sparse_config(args),
+                                  kv_grad_dtype=None)  # no backward: no dK/dV
     vocab = engine.adapter.vocab_size
     bar = ChunkBars("sequence batch")
     try:

@@ -199,7 +199,7 @@ def _save_tokenizer(source: str, path: Path) -> None:
 
 
 def _optimizer_file(per_rank: bool) -> str:
-    return f"optimizer-rank{dist.get_rank()}.pt" if per_rank else "optimizer.pt"
+    return f"optimizer-rank{_rank()}.pt" if per_rank else "optimizer.pt"
 
 
 def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:

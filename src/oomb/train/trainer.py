@@ -58,11 +58,14 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     return model
 
 
-def sparse_config(cfg: TrainConfig) -> TopKPages | None:
+def sparse_config(cfg) -> TopKPages | None:
+    """TopKPages from the sparse_* settings of a TrainConfig or of `oomb eval`'s flags (a chunk
+    budget below the budget is raised to it; TrainConfig refuses one before this)."""
     if not cfg.sparse_budget:
         return None
-    return TopKPages(budget=cfg.sparse_budget, chunk_budget=cfg.sparse_chunk_budget, sink_pages=cfg.sparse_sink_pages,
-                     representative=cfg.sparse_representative, dense_layers=parse_layers(cfg.sparse_dense_layers))
+    return TopKPages(budget=cfg.sparse_budget, chunk_budget=max(cfg.sparse_chunk_budget, cfg.sparse_budget),
+                     sink_pages=cfg.sparse_sink_pages, representative=cfg.sparse_representative,
+                     dense_layers=parse_layers(cfg.sparse_dense_layers))
 
 
 def parse_layers(text: str) -> tuple[int, ...]:
