@@ -146,7 +146,7 @@ def cmd_eval(args) -> None:
                                   backend=args.backend, sparse=sparse_config(args),
                                   kv_grad_dtype=None)  # no backward: no dK/dV
     vocab = engine.adapter.vocab_size
-    bar = ChunkBars("sequence batch")
+    bar = ChunkBars("sequence batch {n}")
     try:
         if args.task == "loss":
             result = tasks.mean_loss(engine, eval_batches(args, vocab), bar)

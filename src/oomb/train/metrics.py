@@ -85,37 +85,20 @@ class StepLogger:
                 f.write(json.dumps(row) + "\n")
 
 
-@contextmanager
-def chunk_progress(desc: str, enabled: bool = True):
-    """A callable progress(done, total) for the engine, drawn as a tqdm bar of chunk passes
-    on a terminal (tqdm turns itself off when stderr is not a TTY, so logs stay clean)."""
-    bar = None
-
-    def update(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:  # made at the first pass, when the step's size is known
-            bar = tqdm(total=total, desc=desc, unit="chunk", leave=False, disable=None if enabled else True,
-                       dynamic_ncols=True)
-        bar.update(done - bar.n)
-    try:
-        yield update
-    finally:
-        if bar is not None:
-            bar.close()
-
-
 class ChunkBars:
-    """progress(done, total) for a series of engine calls: one tqdm bar of chunk passes per call
-    (a new one when a call starts, closed when it ends; off when stderr is not a TTY)."""
+    """progress(done, total) for the engine: a tqdm bar of chunk passes per engine call (made at
+    its first pass, when the call's size is known; closed at its last), drawn only on a terminal
+    (tqdm turns itself off when stderr is not a TTY, so logs stay clean). `{n}` in desc is the
+    call's number, for a series of calls."""
 
-    def __init__(self, desc: str) -> None:
-        self.desc, self.calls, self.bar = desc, 0, None
+    def __init__(self, desc: str, enabled: bool = True) -> None:
+        self.desc, self.enabled, self.calls, self.bar = desc, enabled, 0, None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
             self.calls += 1
-            self.bar = tqdm(total=total, desc=f"{self.desc} {self.calls}", unit="chunk", leave=False, disable=None,
-                            dynamic_ncols=True)
+            self.bar = tqdm(total=total, desc=self.desc.format(n=self.calls), unit="chunk", leave=False,
+                            disable=None if self.enabled else True, dynamic_ncols=True)
         self.bar.update(done - self.bar.n)
         if done >= total:
             self.close()
@@ -124,3 +107,13 @@ class ChunkBars:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+@contextmanager
+def chunk_progress(desc: str, enabled: bool = True):
+    """ChunkBars for one engine call, closed when the block ends (also when the call fails)."""
+    bars = ChunkBars(desc, enabled)
+    try:
+        yield bars
+    finally:
+        bars.close()
