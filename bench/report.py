@@ -131,19 +131,32 @@ class Commands:
         return "\n".join(f"- [{i}] `{c}`" for i, c in enumerate(self.lines, 1))
 
 
+# The engine switches a step row records: (field, value that turns it on (True: any true value),
+# in words, as a bench_step.py flag).
+SWITCHES = [("kv_grad_dtype", "bf16", "bf16 dK/dV", "--kv-grad-dtype bf16"),
+            ("checkpoint_layers", True, "checkpoint_layers", "--checkpoint-layers"),
+            ("compile", True, "compiled", "--oomb-compile"),
+            ("liger", True, "Liger RMSNorm/SwiGLU", "--oomb-liger")]
+
+
+def switches_on(r: dict) -> list[tuple]:
+    return [sw for sw in SWITCHES if (bool(r.get(sw[0])) if sw[1] is True else r.get(sw[0]) == sw[1])]
+
+
+def section(what: str, out: list, cmds: "Commands", *paragraphs: str) -> str:
+    """A section's paragraphs (its table among them) and then the commands its rows cite, or a line
+    saying that no row measured it."""
+    if not out:
+        return f"_No {what} rows._"
+    return "\n\n".join([*paragraphs, cmds.render()])
+
+
 def step_settings(r: dict) -> str:
     """The settings that set a step's time and memory, in words."""
     s = []
     if r["impl"] in OFFLOAD:
         s.append(f"chunk {r['chunk_size']}")
-        if r.get("kv_grad_dtype") == "bf16":
-            s.append("bf16 dK/dV")
-        if r.get("checkpoint_layers"):
-            s.append("checkpoint_layers")
-        if r.get("compile"):
-            s.append("compiled")
-        if r.get("liger"):
-            s.append("Liger RMSNorm/SwiGLU")
+        s += [words for _, _, words, _ in switches_on(r)]
         if kept(r):
             s.append(kept_text(r))
         if r.get("host_layers") and OFFLOAD[r["impl"]] == "auto":
@@ -190,14 +203,7 @@ def step_engine_flags(r: dict) -> list[str]:
     flags = []
     if r.get("chunk_size") != 4096:
         flags.append(f"--chunk-size {r['chunk_size']}")
-    if r.get("kv_grad_dtype") == "bf16":
-        flags.append("--kv-grad-dtype bf16")
-    if r.get("checkpoint_layers"):
-        flags.append("--checkpoint-layers")
-    if r.get("compile"):
-        flags.append("--oomb-compile")
-    if r.get("liger"):
-        flags.append("--oomb-liger")
+    flags += [flag for _, _, _, flag in switches_on(r)]
     if r.get("param_grad_dtype") == "fp32":
         flags.append("--param-grad-dtype fp32")
     keep = "yes" if r.get("keep_attention") is True else r.get("keep_attention")
@@ -295,9 +301,7 @@ def kernels_section(rows: list[dict]) -> str:
                                            f"{paged['bwd_tflops'] / cudnn['bwd_tflops']:.2f}")
         out.append([tokens(e["N"]), what, pair(paged), f"{paged['fwd_ms']:.2f} / {paged['bwd_ms']:.2f}", pair(cudnn),
                     ratio, pair(flash), commit(paged), day(paged), cmds.ref(attention_command(paged))])
-    if not out:
-        return "_No kernel rows._"
-    return "\n\n".join([
+    return section("kernel", out, cmds,
         "4,096 queries (28 heads, 4 KV heads, head_dim 128, bf16, pages of 128 keys) against N earlier keys, "
         "forward and backward timed apart (`bench/bench_attention.py`). The paged kernel also computes the "
         "chunk's own causal part, counted in its FLOPs; SDPA (cuDNN, and FlashAttention-2 as `sdpa_flash`) runs "
@@ -306,8 +310,7 @@ def kernels_section(rows: list[dict]) -> str:
         table(["keys", "attention", "paged TFLOP/s fwd / bwd", "paged ms fwd / bwd", "cuDNN TFLOP/s fwd / bwd",
                "paged ÷ cuDNN fwd / bwd", "FA2 TFLOP/s fwd / bwd", "commit", "date", "command"], out),
         "Rows: for each key count, the newest `bench_attention.py` run that timed the paged kernels beside "
-        "cuDNN (dense) or the top-k kernels alone; the ratio compares rows of the same run.",
-        cmds.render()])
+        "cuDNN (dense) or the top-k kernels alone; the ratio compares rows of the same run.")
 
 
 # --- dense step -------------------------------------------------------------------------------
@@ -342,11 +345,9 @@ def dense_step_section(rows: list[dict]) -> str:
                   [f"{liger['step_s']:.2f}", num(liger["tok_s"]), peak(liger), f"{liger['step_s'] / r['step_s']:.3f}"])
         out.append([tokens(r["seq_len"]), step_settings(r), f"{r['step_s']:.2f}", num(r["tok_s"]), peak(r), *beside,
                     commit(r), day(r), ref])
-    if not out:
-        return "_No dense step rows._"
     hf = "" if any(r["impl"] == "hf" for r in step_rows(rows)) else (
         " No row measures transformers without Liger on a GPU (`--impls hf`).")
-    return "\n\n".join([
+    return section("dense step", out, cmds,
         "One training step (forward and backward, no optimizer step) of the Qwen2.5-7B shape, full-parameter "
         "gradients, against transformers with SDPA, gradient checkpointing and Liger's Triton kernels "
         "(RoPE, RMSNorm, SwiGLU, fused linear cross entropy), each in its own process, one after the other in "
@@ -355,8 +356,7 @@ def dense_step_section(rows: list[dict]) -> str:
                "Liger peak GiB", "oomb speed ÷ Liger", "commit", "date", "commands"], out),
         "Rows: for each context, the newest run (commit and day) that timed a dense oomb step there: each oomb "
         "configuration it timed, beside that run's Liger step nearest in time. A peak shown as — was not the "
-        "step's own (the process had reserved pages for a longer context).",
-        cmds.render()])
+        "step's own (the process had reserved pages for a longer context).")
 
 
 # --- memory and tokens/s against the context --------------------------------------------------
@@ -405,9 +405,7 @@ def memory_section(rows: list[dict]) -> str:
         for r in mine:
             out.append([label, tokens(r["seq_len"]), f"{r['peak_gib']:.1f}", f"{r['step_s']:.2f}", num(r["tok_s"]),
                         step_settings(r), commit(r), day(r), cmds.ref(step_command(r))])
-    if not out:
-        return "_No step rows._"
-    return "\n\n".join([
+    return section("step", out, cmds,
         "Peak GPU memory (`torch.cuda.max_memory_allocated`) and speed of one step of the Qwen2.5-7B shape, "
         "full-parameter gradients, by offload mode. 'none' keeps every page on the GPU; 'all' keeps them in "
         "pinned host memory and streams them through; 'auto' keeps layers' pages on the GPU while they fit and "
@@ -419,8 +417,7 @@ def memory_section(rows: list[dict]) -> str:
         "Rows (and plotted points): for each mode, the chunk size it was measured at most contexts; at each "
         "context the newest row at that chunk size whose peak was its own (a process that ran several lengths "
         "reserved pages for the longest first, so only that length's peak counts). Both plots show these rows. "
-        f"The dotted line is the H200's {H200_GIB} GiB; transformers is dashed.",
-        cmds.render()])
+        f"The dotted line is the H200's {H200_GIB} GiB; transformers is dashed.")
 
 
 def context_axis(ax, lengths: set[int]) -> None:
@@ -491,9 +488,7 @@ def topk_section(rows: list[dict]) -> str:
         out.append([topk_label(r), tokens(r["seq_len"]), f"{r['step_s']:.2f}", num(r["tok_s"]), stages, peak(r),
                     num(r.get("host_peak_gib"), ".1f"), step_settings(r), commit(r), day(r),
                     cmds.ref(step_command(r))])
-    if not out:
-        return "_No top-k step rows._"
-    return "\n\n".join([
+    return section("top-k step", out, cmds,
         "One step with `TopKPages(budget=64)`: each block of 128 queries attends 64 pages of 128 keys (sinks "
         "included), chosen among the chunk's 256 candidate pages, so a chunk's attention does not grow with the "
         "context. Qwen2.5-7B shape, full-parameter gradients unless a row says LoRA, chunk 4096. Stage 1 runs the "
@@ -504,8 +499,7 @@ def topk_section(rows: list[dict]) -> str:
                "settings", "commit", "date", "command"], out),
         "Rows: for each configuration and context, the newest row. The plot splits the 1M rows that record "
         "their stages: seconds in each stage (CUDA events at each chunk pass, no synchronisation) and the mean "
-        "milliseconds of a chunk pass by quarter of the sequence; the rows do not split the time by kernel.",
-        cmds.render()])
+        "milliseconds of a chunk pass by quarter of the sequence; the rows do not split the time by kernel.")
 
 
 def plot_1m_breakdown(rows: list[dict], path: str) -> None:
@@ -588,9 +582,7 @@ def offload_section(rows: list[dict]) -> str:
                     f"{a['step_s'] / b['step_s'] - 1:+.1%}", step_settings(a),
                     f"{commit(a)} / {commit(b)}", f"{day(a)} / {day(b)}",
                     f"{cmds.ref(step_command(a))}, {cmds.ref(step_command(b))}"])
-    if not out:
-        return "_No offload rows._"
-    return "\n\n".join([
+    return section("offload", out, cmds,
         "Offload 'all' keeps every layer's K/V pages (and dK/dV) in pinned host memory, loading each layer's "
         "pages while the layer before it computes; the gradients equal those of 'none' bit for bit "
         "(`bench/bench_offload.py` checks it; `pytest -m gpu tests/test_gpu_engine.py` too).",
@@ -598,8 +590,7 @@ def offload_section(rows: list[dict]) -> str:
                "'all' overhead", "settings", "commits ('all' / beside)", "dates", "commands"], out),
         "Rows: for each attention kind and context, the newest 'all' step, beside the newest step of the same "
         "settings that kept every page on the GPU, from the same run when there is one (where none fits, as at "
-        "1M, 'auto' with some layers on the host).",
-        cmds.render()])
+        "1M, 'auto' with some layers on the host).")
 
 
 # --- longest context, GPT-OSS -----------------------------------------------------------------
@@ -627,16 +618,13 @@ def longest_section(rows: list[dict]) -> str:
                     "top-k" if "sparse" in r["impl"] else "dense", f"{r['seq_len']:,}", f"{r['step_s']:.1f}",
                     num(r["tok_s"]), peak(r), num(r.get("host_peak_gib"), ".1f"), f"'{OFFLOAD[r['impl']]}', "
                     + step_settings(r), commit(r), day(r), cmds.ref(step_command(r))])
-    if not out:
-        return "_No step rows._"
-    return "\n\n".join([
+    return section("step", out, cmds,
         "The longest context a measured step reached, per model, kind of gradients and attention. "
         "`oomb plan --seq-len N` estimates the GPU and host memory of other lengths before a run.",
         table(["model", "gradients", "attention", "tokens", "s / step", "tok/s", "peak GPU GiB", "host GiB",
                "offload, settings", "commit", "date", "command"], out),
         "Rows: for each model, kind of gradients and attention, the longest context among the rows; the "
-        "newest row there.",
-        cmds.render()])
+        "newest row there.")
 
 
 def select_gpt_oss(rows: list[dict]) -> list[dict]:
@@ -653,16 +641,13 @@ def gpt_oss_section(rows: list[dict]) -> str:
     for r in select_gpt_oss(rows):
         out.append([tokens(r["seq_len"]), r["impl"], step_settings(r), f"{r['step_s']:.2f}", num(r["tok_s"]), peak(r),
                     num(r.get("host_peak_gib"), ".1f"), commit(r), day(r), cmds.ref(step_command(r))])
-    if not out:
-        return "_No GPT-OSS rows._"
-    return "\n\n".join([
+    return section("GPT-OSS", out, cmds,
         "GPT-OSS-20B shape (24 layers, mixture of experts, sliding-window layers between full-attention ones), "
         "random bf16 weights, LoRA adapters on attention with the base frozen; top-k on the full-attention layers, "
         "while each sliding-window layer keeps one page per chunk.",
         table(["context", "implementation", "settings", "s / step", "tok/s", "peak GPU GiB", "host GiB", "commit",
                "date", "command"], out),
-        "Rows: the newest row of each implementation and settings at each context.",
-        cmds.render()])
+        "Rows: the newest row of each implementation and settings at each context.")
 
 
 # --- several GPUs -----------------------------------------------------------------------------
@@ -713,10 +698,8 @@ def parallel_table(rows: list[dict], cmds: Commands) -> str:
 
 def parallel_section(rows: list[dict]) -> str:
     picked = select_parallel(rows)
-    if not picked:
-        return "_No multi-GPU rows._"
     cmds = Commands()
-    return "\n\n".join([
+    return section("multi-GPU", picked, cmds,
         "Qwen2.5-7B shape, full-parameter gradients, under `torchrun` on one host (H200s linked by NVLink): "
         "tensor-parallel ranks (TP) share each sequence, each holding its share of the heads; data-parallel "
         "ranks (DP) take a sequence each and all-reduce the gradients after the step (in the time). Peak memory "
@@ -724,8 +707,7 @@ def parallel_section(rows: list[dict]) -> str:
         parallel_table(picked, cmds),
         "Rows: the newest row of each attention, GPU count, TP size and context. DP efficiency is tokens/s per "
         "GPU against the 1-GPU row of the same commit. A step cut by its command's time limit shows the chunk "
-        "passes it finished (of n - 1 in stage 1 and n in stage 2).",
-        cmds.render()])
+        "passes it finished (of n - 1 in stage 1 and n in stage 2).")
 
 
 # --- the page ---------------------------------------------------------------------------------
