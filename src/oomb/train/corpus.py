@@ -94,14 +94,15 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
         if caps[split] is not None and size[split] >= caps[split]:
             continue
         text = document(found[name][1], found[name][0])
-        if len(text.encode("utf-8")) < min_bytes:
+        text_bytes = len(text.encode("utf-8"))
+        if text_bytes < min_bytes:
             continue
         ids = codec.array(text)
         if codec.eos is not None:
             ids = np.append(ids, np.asarray(codec.eos, dtype=ids.dtype))
         splits[split].append(ids)
         listed[split].append({"package": name, "files": len(found[name][1]), "tokens": len(ids)})
-        size[split] += len(text.encode("utf-8"))
+        size[split] += text_bytes
     if not splits["train"] or not splits["heldout"]:
         raise ValueError(f"{len(found)} packages gave {len(splits['train'])} training and {len(splits['heldout'])} "
                          "held-out documents; both are needed: add --roots or change --heldout")
