@@ -92,9 +92,10 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def verify(path: str | Path) -> None:
+def verify(path: str | Path, names: set[str] | None = None) -> None:
     """Raise ValueError naming a missing, truncated or corrupted file of a checkpoint (checked
-    against its manifest), before anything reads it."""
+    against its manifest), before anything reads it. names: only those of the manifest's files
+    (what one rank reads), default all."""
     path = Path(path)
     manifest = path / "manifest.json"
     if not manifest.is_file():
@@ -107,6 +108,8 @@ def verify(path: str | Path) -> None:
         raise ValueError(f"checkpoint {path}: manifest.json is unreadable; the checkpoint is damaged, resume from "
                          "another one") from None
     for name, want in files.items():
+        if names is not None and name not in names:
+            continue
         f = path / name
         if not f.is_file():
             raise ValueError(f"checkpoint {path} is incomplete: {name} is missing; resume from another checkpoint")
@@ -119,12 +122,10 @@ def verify(path: str | Path) -> None:
                              "resume from another checkpoint")
 
 
-def check_compatible(path: str | Path, config) -> dict:
-    """trainer.json of a checkpoint, after checking that this run can continue it: the same model,
+def check_compatible(path: Path, info: dict, config) -> None:
+    """That this run can continue the checkpoint whose trainer.json is `info`: the same model,
     sequence length, batch layout, LoRA rank and parallel layout (ValueError naming each
     difference)."""
-    path = Path(path)
-    info = json.loads((path / "trainer.json").read_text())
     saved = info.get("config", {})
     diffs = [f"{k}: {saved[k]!r} there, {getattr(config, k)!r} here" for k in RESUME_FIELDS
              if k in saved and saved[k] != getattr(config, k)]
@@ -133,7 +134,6 @@ def check_compatible(path: str | Path, config) -> dict:
     if diffs:
         raise ValueError(f"--resume {path} was written by another run configuration ({'; '.join(diffs)}); "
                          "resume with the settings it was written with")
-    return info
 
 
 def _rng_state() -> dict:
@@ -235,11 +235,16 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     path = Path(path)
     if not (path / "trainer.json").is_file():
         raise ValueError(f"--resume {str(path)!r} is not a checkpoint directory (no trainer.json in it)")
-    verify(path)
-    if config is not None:
-        check_compatible(path, config)
-    state = load_file(path / "model.safetensors")
     params = dict(model.named_parameters())
+    sharded = any(isinstance(p, DTensor) for p in params.values())
+    zero = _is_zero(optimizer)
+    per_rank = sharded or zero
+    # This rank's files: under TP or ZeRO-1 each rank reads only its own optimizer share.
+    verify(path, {"trainer.json", "model.safetensors", _optimizer_file(per_rank), f"rng-rank{_rank()}.pt"})
+    info = json.loads((path / "trainer.json").read_text())
+    if config is not None:
+        check_compatible(path, info, config)
+    state = load_file(path / "model.safetensors")
     missing = [n for n, p in params.items() if p.requires_grad and n not in state]
     if missing:
         raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable parameters, e.g. {missing[0]}; "
@@ -250,9 +255,6 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
             if isinstance(p, DTensor):  # take this rank's shard of the whole tensor
                 tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
             p.copy_(tensor)
-    sharded = any(isinstance(p, DTensor) for p in params.values())
-    zero = _is_zero(optimizer)
-    per_rank = sharded or zero
     file = path / _optimizer_file(per_rank)
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "
@@ -269,4 +271,4 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
         optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     _restore_rng(path)
-    return json.loads((path / "trainer.json").read_text())["step"]
+    return info["step"]
