@@ -26,6 +26,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import record, run_info  # noqa: E402
 
+from oomb.config import KernelOptions  # noqa: E402
+
+KERNELS = KernelOptions.from_env(os.environ)  # OOMB_TMA=0 etc.: A/B runs of the kernels' paths
+
 H, HKV, D, M, PAGE_SIZE = 28, 4, 128, 4096, 128
 
 
@@ -110,20 +114,20 @@ def bench_paged(n_keys: int, c: int, outputs: bool = False, sparse: int = 0, chu
     do = torch.randn(1, H, c, D, device=dev, dtype=dt)
     scale = D ** -0.5
 
-    fwd_ms = do_bench(lambda: _forward(q, k, v, pages, scale), return_mode="median")
-    o, lse = _forward(q, k, v, pages, scale)
+    fwd_ms = do_bench(lambda: _forward(q, k, v, pages, scale, kernels=KERNELS), return_mode="median")
+    o, lse = _forward(q, k, v, pages, scale, kernels=KERNELS)
     # Backward only: the launcher that autograd's backward calls, on the saved o and lse.
-    bwd_ms = do_bench(lambda: _backward(do, q, k, v, o, lse, pages, scale), return_mode="median")
+    bwd_ms = do_bench(lambda: _backward(do, q, k, v, o, lse, pages, scale, kernels=KERNELS), return_mode="median")
     # FLOPs: 2 matmuls of 2*M*N*D per head over the pages, half that (causal) over the chunk.
     flops = 4 * c * keys_seen * D * H + 2 * c * c * D * H
     result = {"fwd_ms": fwd_ms, "bwd_ms": bwd_ms, "flops": flops}
     if kernels:
         def step():
-            o, lse = _forward(q, k, v, pages, scale)
-            _backward(do, q, k, v, o, lse, pages, scale)
+            o, lse = _forward(q, k, v, pages, scale, kernels=KERNELS)
+            _backward(do, q, k, v, o, lse, pages, scale, kernels=KERNELS)
         result["kernels_ms"] = kernel_times(step)
     if outputs:
-        result["outputs"] = [o, *_backward(do, q, k, v, o, lse, pages, scale)]
+        result["outputs"] = [o, *_backward(do, q, k, v, o, lse, pages, scale, kernels=KERNELS)]
     return result
 
 

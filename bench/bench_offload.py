@@ -67,7 +67,8 @@ def main() -> None:
     configs = [(m, d) for m in args.modes.split(",") for d in args.kv_grad_dtypes.split(",")]
     for mode, grad_dtype in configs:
         # One engine at a time, so a mode's peak memory holds only its own pool.
-        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=mode, backend="auto",
+        engine = oomb.ChunkRecurrentEngine(model, kernels=oomb.KernelOptions.from_env(os.environ),
+                                           chunk_size=args.chunk_size, offload=mode, backend="auto",
                                            kv_grad_dtype=GRAD_DTYPES[grad_dtype])
         engine.forward_backward(warm)  # compile kernels, allocate grads
         engine.reserve(1, max(lengths))  # pool and pinned arena once, as a training run would

@@ -85,7 +85,8 @@ def main() -> None:
     for impl in args.impls.split(","):
         if impl not in ("dense", "sparse"):
             sys.exit(f"--impls {impl!r}: use dense, sparse or dense,sparse")
-        engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size,
+        engine = oomb.ChunkRecurrentEngine(model, kernels=oomb.KernelOptions.from_env(os.environ),
+                                           chunk_size=args.chunk_size, page_size=args.page_size,
                                            offload=args.offload, kv_grad_dtype=GRAD_DTYPES[args.kv_grad_dtype],
                                            group_pages=args.group_pages, keep_attention=KEEP[args.keep_attention],
                                            sparse=oomb.TopKPages(budget=64) if impl == "sparse" else None,

@@ -82,7 +82,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk_size, page_size=128, backend="auto",
-                                           group_pages=group_pages,
+                                           group_pages=group_pages, kernels=oomb.KernelOptions.from_env(os.environ),
                                            offload=OOMB_OFFLOAD[impl], sparse=sparse,
                                            kv_grad_dtype=GRAD_DTYPES[kv_grad_dtype],
                                            checkpoint_layers=checkpoint_layers, compile_layers=compile_layers,
@@ -105,12 +105,12 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
             n_host = len(engine.store.host_layers)
             if n_host:  # the host path's kernels compile at their first use: warm them up with the
                 # same layers on the host, at two chunks (a fixed page budget places them)
-                budget, pages = engine.gpu_page_budget_bytes, chunk_size // 128
+                config, pages = engine.config, chunk_size // 128
                 n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
-                engine.gpu_page_budget_bytes = n_device * pages * engine.store.layer_page_bytes
+                engine.config = config.replace(gpu_page_budget_bytes=n_device * pages * engine.store.layer_page_bytes)
                 step(torch.randint(0, model.config.vocab_size, (1, 2 * chunk_size), device=model.device))
                 assert len(engine.store.host_layers) == n_host
-                engine.gpu_page_budget_bytes = budget
+                engine.config = config
         return step, reserve
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 

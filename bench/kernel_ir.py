@@ -47,6 +47,9 @@ from triton.compiler import ASTSource  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))
 from oomb.attention import paged, paged_hopper  # noqa: E402
+from oomb.config import KernelOptions  # noqa: E402
+
+KERNELS = KernelOptions.from_env(os.environ)
 
 SHAPE = dict(GROUP=7, D=128, HEAD_DIM=128, PAGE_SIZE=128, IN_PRECISION="tf32", WINDOWED=False)
 BF16_GPU_Q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # what the configs look at
@@ -66,19 +69,19 @@ def _kernel(kind: str, sparse: bool) -> tuple:
         return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
-        desc = DESC.format(n=cfg["BLOCK_N2"], d=128) if paged.DQ_TMA else "*bf16"
+        desc = DESC.format(n=cfg["BLOCK_N2"], d=128) if KERNELS.dq_tma else "*bf16"
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP=desc,
                     VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=paged.DQ_TMA)
+        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=KERNELS.dq_tma)
         return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg["warps2"], num_stages=cfg["stages2"])
     if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
         const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
         return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
-    qdesc = DESC.format(n=cfg["BLOCK_M1"], d=128) if paged.DKDV_TMA else "*bf16"
+    qdesc = DESC.format(n=cfg["BLOCK_M1"], d=128) if KERNELS.dkdv_tma else "*bf16"
     ptrs = dict(Q=qdesc, DO=qdesc, LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
                 DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
-    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=paged.DKDV_TMA)
+    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=KERNELS.dkdv_tma)
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import os
 
 import torch
 
@@ -27,7 +28,8 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     model = load_model("qwen2.5-7b", dtype=torch.bfloat16, device="cuda", num_hidden_layers=args.layers).train()
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, offload=args.offload,
+    engine = oomb.ChunkRecurrentEngine(model, kernels=oomb.KernelOptions.from_env(os.environ),
+                                  chunk_size=args.chunk_size, offload=args.offload,
                                        sparse=oomb.TopKPages() if args.sparse else None)
     engine.forward_backward(torch.randint(0, 1000, (1, 8192), device="cuda"))  # grads allocated
     base = torch.cuda.memory_allocated()

@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_attention import bench_paged  # noqa: E402
 from common import record, run_info  # noqa: E402
 
+from bench_attention import KERNELS  # noqa: E402
+
 from oomb.attention import paged  # noqa: E402
 
 FWD = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
@@ -61,8 +63,8 @@ def main() -> None:
                 paged._fwd_config = lambda q, d, cfg=cfg: cfg
             else:
                 paged._bwd_config = lambda q, d, cfg=cfg: {**default_bwd(q, d), **cfg}
-            row = {"kind": kind, "N": args.keys, "C": args.queries, "sparse_budget": args.sparse, "tma": paged.TMA,
-                   "dq_tma": paged.DQ_TMA, **cfg}
+            row = {"kind": kind, "N": args.keys, "C": args.queries, "sparse_budget": args.sparse, "tma": KERNELS.tma,
+                   "dq_tma": KERNELS.dq_tma, **cfg}
             try:
                 r = run()
                 ms = r["fwd_ms" if kind == "fwd" else "bwd_ms"]

@@ -318,7 +318,7 @@ def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
         pages = ids.shape[1] // engine.page_size
         need, kept = engine.store.device_bytes(1, pages), engine._attention_bytes(1, pages)
         assert kept > 2**27, "the outputs must take enough room for the boundary to mean something"
-        engine.reserved_gpu_bytes = engine._headroom() - need - int(room * kept)
+        engine.config = engine.config.replace(reserved_gpu_bytes=engine._headroom() - need - int(room * kept))
         engine.forward_backward(ids)
         assert engine.kept.where == where, (room, kept)
     wide_model.zero_grad(set_to_none=True)

@@ -138,16 +138,14 @@ def test_empty_pinned_without_pinning_is_a_plain_tensor(fake_cudart):
     assert empty_pinned((0, 3), torch.float32).numel() == 0 and not fake_cudart.registered
 
 
-def test_touch_threads_share_the_cpus_between_local_ranks(monkeypatch):
+def test_touch_threads_share_the_cpus_between_local_ranks():
     import os
 
     from oomb.memory.pinned import touch_threads
 
     cpus = len(os.sched_getaffinity(0))
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
-    assert touch_threads() == min(16, cpus)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(4 * cpus))
-    assert touch_threads() == 1
+    assert touch_threads(1) == min(16, cpus)
+    assert touch_threads(4 * cpus) == 1
 
 
 @pytest.mark.gpu

@@ -3,6 +3,8 @@
 Pages staged a group at a time through two buffers must give gradients identical (bitwise)
 to pages in the device pool: the same kernels run on the same data in the same order.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,8 +81,8 @@ def test_shorter_step_keeps_the_pinned_arena():
 
 
 def test_host_memory_is_checked_before_the_step(monkeypatch):
-    import oomb.placement
-    monkeypatch.setattr(oomb.placement, "available_host_bytes", lambda: 4 * 2**20)
+    import oomb.engine
+    monkeypatch.setattr(oomb.engine, "available_host_bytes", lambda: 4 * 2**20)
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", group_pages=128)
     # 2 layers x 4 KiB a page (K, V, dK, dV fp32: 1 KV head x 16 tokens x 16 dims) / 16 tokens
@@ -97,25 +99,30 @@ def test_host_memory_is_checked_before_the_step(monkeypatch):
 
 
 def test_auto_budget_counts_what_is_still_to_come(monkeypatch):
-    """'auto' budget = free device memory - gradients not yet allocated - reserved_gpu_bytes -
-    working set - staging - margin, decided once: a later step sees the same budget although
-    the gradients and optimizer state then take part of the free memory."""
+    """'auto' room = free device memory - gradients not yet allocated - reserved_gpu_bytes -
+    working set - margin, measured once: a later step sees the same room although the gradients
+    and optimizer state then take part of the free memory; the pages get it less the staging."""
+    from oomb.placement import place
     from oomb.plan import GPU_MARGIN_BYTES
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto", reserved_gpu_bytes=1000)
     free = 10 * 2**30
     monkeypatch.setattr(engine, "_free_gpu_bytes", lambda: free)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    fixed = engine._free_budget() + grads + 1000  # what the budget is without those two
+    fixed = engine._headroom() + grads + 1000  # what the room is without those two
     model.zero_grad(set_to_none=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # now allocated: no longer subtracted
-    assert engine._free_budget() == fixed - 1000
-    assert 0 < free - fixed <= GPU_MARGIN_BYTES + 2**30  # margin, working set and staging only
-    budgets = iter([123, 456])
-    monkeypatch.setattr(engine, "_free_budget", lambda: next(budgets))
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the budget is a CUDA matter
-    assert engine._page_budget() == 123 and engine._page_budget() == 123  # the first step's, kept
+    assert engine._headroom() == fixed - 1000
+    assert 0 < free - fixed <= GPU_MARGIN_BYTES + 2**30  # margin and working set only
+    rooms = iter([123, 456])
+    monkeypatch.setattr(engine, "_headroom", lambda: next(rooms))
+    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the room is a CUDA matter
+    first, later = engine.placement_input(1, 64), engine.placement_input(1, 64)
+    assert first.gpu_room == later.gpu_room == 123  # the first step's, kept
+    layer = 64 * engine.store.layer_page_bytes
+    x = dataclasses.replace(first, gpu_room=first.staging_bytes + layer + 1)
+    assert place(x).device_layers == 1 and place(dataclasses.replace(x, gpu_room=x.gpu_room - 2)).device_layers == 0
 
 
 @pytest.mark.parametrize("keep_attention", [False, True])

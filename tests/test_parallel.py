@@ -87,7 +87,7 @@ def test_two_processes_equal_one(mode, tmp_path):
         assert got["kv_heads"] == 1  # each rank keeps the pages of its own KV head only
     if mode in ("tp", "tp_compile"):  # `oomb plan --tp 2` counts the rank's weights exactly
         local = plan(model.config, 32, chunk_size=32, page_size=16, dtype=torch.float32, tp=2,
-                     compiled=mode == "tp_compile")
+                     compile_layers=mode == "tp_compile")
         assert local.weights == 4 * got["local_params"]
         # 'auto' leaves room for the rank's own gradients and working set, not the whole model's
         assert got["headroom"] == 2**40 - local.working_set - local.grads - GPU_MARGIN_BYTES

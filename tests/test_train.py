@@ -194,11 +194,11 @@ def test_plan_activations_of_compiled_layers(capsys):
     from oomb.presets import preset_config
     cfg = preset_config("qwen2.5-7b")
     h, inter, qkv = 3584, 18944, (28 + 2 * 4) * 128
-    eager, compiled = (plan(cfg, 2**16, chunk_size=8192, compiled=c).chunk_activations for c in (False, True))
+    eager, compiled = (plan(cfg, 2**16, chunk_size=8192, compile_layers=c).chunk_activations for c in (False, True))
     assert eager == 8192 * 28 * (2 * (6 * h + 4 * inter + 2 * qkv) + 4 * 2 * h)
     assert compiled == 8192 * 28 * 2 * (6 * h + 3 * inter + 2 * qkv)
     moe = preset_config("gpt-oss-20b")
-    assert plan(moe, 2**16, compiled=True).chunk_activations == plan(moe, 2**16).chunk_activations
+    assert plan(moe, 2**16, compile_layers=True).chunk_activations == plan(moe, 2**16).chunk_activations
     main(["plan", "--seq-len", "64K", "--chunk-size", "8192", "--compile", "--json"])
     assert json.loads(capsys.readouterr().out)["chunk_activations"] == compiled
 
@@ -347,7 +347,7 @@ def test_group_pages_reaches_the_engine(monkeypatch):
 
     made, engine = [], trainer.ChunkRecurrentEngine
     monkeypatch.setattr(trainer, "ChunkRecurrentEngine",
-                        lambda *args, **kwargs: made.append(kwargs["group_pages"]) or engine(*args, **kwargs))
+                        lambda model, config: made.append(config.group_pages) or engine(model, config))
     one_call = train(TrainConfig(**{**SMALL, "steps": 2}, group_pages=64))
     per_page = train(TrainConfig(**{**SMALL, "steps": 2}, group_pages=1))
     assert made == [64, 1] and per_page == pytest.approx(one_call, rel=1e-5)
@@ -442,10 +442,11 @@ def test_trainer_sums_parameter_gradients_in_fp32_by_default(monkeypatch):
 
     made = []
     real = trainer.ChunkRecurrentEngine
-    monkeypatch.setattr(trainer, "ChunkRecurrentEngine", lambda *a, **k: made.append(k) or real(*a, **k))
+    monkeypatch.setattr(trainer, "ChunkRecurrentEngine",
+                        lambda model, config: made.append(config) or real(model, config))
     for choice, want in (("float32", torch.float32), ("param", None)):
         train(TrainConfig(**{**SMALL, "steps": 1}, param_grad_dtype=choice))
-        assert made[-1]["param_grad_dtype"] == want
+        assert made[-1].param_grad_dtype == want
     cfg = preset_config("qwen2.5-7b")
     bf16_sums, fp32_sums = (plan(cfg, 2**16, param_grad_dtype=d).grads for d in (None, torch.float32))
     assert fp32_sums == 2 * bf16_sums

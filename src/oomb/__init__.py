@@ -1,11 +1,13 @@
 """oomb: train causal LMs on million-token contexts on one GPU.
 
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=4096, page_size=128)
+    # or: oomb.ChunkRecurrentEngine(model, oomb.EngineConfig(chunk_size=4096, offload="auto"))
     result = engine.forward_backward(input_ids, labels)   # grads accumulated in .grad
 """
 from .attention.sparse import TopKPages
+from .config import EngineConfig, KernelOptions
 from .engine import ChunkRecurrentEngine, StepResult
 from .memory.spec import PageSpec
 
-__all__ = ["ChunkRecurrentEngine", "PageSpec", "StepResult", "TopKPages"]
+__all__ = ["ChunkRecurrentEngine", "EngineConfig", "KernelOptions", "PageSpec", "StepResult", "TopKPages"]
 __version__ = "0.1.0"

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 
 import torch
@@ -32,8 +33,11 @@ def cmd_train(args) -> None:
     from .train.config import TrainConfig
     from .train.trainer import train
 
+    from .config import KernelOptions
+
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    train(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}))
+    train(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}),
+          kernels=KernelOptions.from_env(os.environ))
 
 
 def parse_bytes(text: str) -> int:
@@ -54,6 +58,7 @@ def cmd_plan(args) -> None:
     from transformers import AutoConfig
 
     from .attention.sparse import TopKPages
+    from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
     from .presets import PRESETS, preset_config
 
@@ -63,14 +68,15 @@ def cmd_plan(args) -> None:
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
 
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
+    engine = EngineConfig(chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
+                          sparse=sparse, kv_grad_dtype=grad_dtype, group_pages=args.group_pages,
+                          checkpoint_layers=args.checkpoint_layers, compile_layers=args.compile,
+                          param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
+                          keep_attention=args.keep_attention)
 
     def step_plan(seq_len):
-        return plan(config, seq_len, batch=args.batch, chunk_size=args.chunk_size, page_size=args.page_size,
-                    kv_grad_dtype=grad_dtype, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
-                    checkpoint_layers=args.checkpoint_layers, sparse=sparse, optimizer_shards=args.dp,
-                    param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
-                    keep_attention=args.keep_attention, tp=args.tp, group_pages=args.group_pages,
-                    compiled=args.compile)
+        return plan(config, seq_len, batch=args.batch, engine=engine, trainable_params=trainable,
+                    optimizer_bytes_per_param=opt_bytes, optimizer_shards=args.dp, tp=args.tp)
 
     def placement(seq_len):
         return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
@@ -78,7 +84,7 @@ def cmd_plan(args) -> None:
     for seq_len in args.seq_len:
         p = step_plan(seq_len)
         if args.json:
-            print(json.dumps({**p.as_dict(), "placement": vars(placement(seq_len))}))
+            print(json.dumps({**p.as_dict(), "placement": dataclasses.asdict(placement(seq_len))}))
             continue
         grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
         ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
@@ -125,6 +131,7 @@ def eval_batches(args, vocab: int):
 
 
 def cmd_eval(args) -> None:
+    from .config import KernelOptions
     from .engine import ChunkRecurrentEngine
     from .eval import plots, tasks
     from .models.rope import check_positions
@@ -144,6 +151,7 @@ def cmd_eval(args) -> None:
     check_positions(model.config, longest, args.rope_theta, args.rope_scaling)
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
                                   backend=args.backend, sparse=sparse_config(args),
+                                  kernels=KernelOptions.from_env(os.environ),
                                   kv_grad_dtype=None)  # no backward: no dK/dV
     vocab = engine.adapter.vocab_size
     bar = ChunkBars("sequence batch {n}")

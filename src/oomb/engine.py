@@ -14,6 +14,7 @@ needs no stage 1: nothing after it reads its pages.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable
@@ -31,9 +32,14 @@ from .memory.kept import KeptAttention
 from .memory.spec import PageSpec
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .placement import PagePlacement
+from .config import EngineConfig
+from .memory.offload import available_host_bytes
+from .memory.spec import staging_bytes
+from .parallel import local_tensor
+from .placement import PlacementInput, human_bytes, place
+from .plan import GPU_MARGIN_BYTES, kept_attention_bytes, plan
 
-OFFLOAD_MODES = ("none", "all", "auto")
+HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
 
 
 @dataclass
@@ -57,7 +63,7 @@ class Probe(Protocol):
                  earlier_keys: Callable[[], torch.Tensor]) -> None: ...
 
 
-class ChunkRecurrentEngine(PagePlacement):
+class ChunkRecurrentEngine:
     """Computes loss and parameter gradients of a causal LM on long sequences, chunk by chunk.
 
     The engine only computes gradients (accumulated into each parameter's .grad, exactly as
@@ -71,82 +77,51 @@ class ChunkRecurrentEngine(PagePlacement):
     layer's first group loads during the layer before it (H200, 2026-12-01, fda5ef3; docs/experiments.md).
     """
 
-    def __init__(self, model: nn.Module, chunk_size: int = 4096, page_size: int = 128,
-                 backend: str = "auto", offload: str = "none", sparse=None,
-                 kv_grad_dtype: torch.dtype = torch.float32, group_pages: int = 1024,
-                 gpu_page_budget_bytes: int | None = None, checkpoint_layers: bool = False,
-                 reserved_gpu_bytes: int = 0, compile_layers: bool = False,
-                 param_grad_dtype: torch.dtype | None = None, keep_attention: bool | None = False,
-                 kept_host_bytes: int | None = None) -> None:
-        for name, value in (("chunk_size", chunk_size), ("page_size", page_size), ("group_pages", group_pages)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise TypeError(f"{name} must be a positive int, got {value!r}")
-        if chunk_size % page_size:
-            raise ValueError(
-                f"chunk_size={chunk_size} is not a multiple of page_size={page_size}; "
-                f"use chunk_size={max(1, round(chunk_size / page_size)) * page_size}"
-            )
-        if offload not in OFFLOAD_MODES:
-            raise ValueError(f"offload={offload!r} is not one of {OFFLOAD_MODES}")
-        if sparse is not None and not isinstance(sparse, TopKPages):
-            raise ValueError(f"sparse={sparse!r} must be None (dense) or oomb.TopKPages(budget=...)")
-        if kv_grad_dtype not in (torch.float32, torch.bfloat16, None):
-            raise ValueError(f"kv_grad_dtype={kv_grad_dtype} must be torch.float32, torch.bfloat16 or None "
-                             "(evaluation only: pages without dK/dV, a third of the memory with fp32)")
-        if param_grad_dtype is not None and not (param_grad_dtype.is_floating_point
-                                                 and torch.finfo(param_grad_dtype).bits >= 32):
-            raise ValueError(f"param_grad_dtype={param_grad_dtype} must be None (each parameter's own dtype) "
-                             "or a float of 32 bits or more (torch.float32)")
-        if kept_host_bytes is not None and (isinstance(kept_host_bytes, bool) or not isinstance(kept_host_bytes, int)
-                                            or kept_host_bytes < 0):
-            raise ValueError(f"kept_host_bytes={kept_host_bytes!r} must be None (half the free host memory) or bytes >= 0")
+    def __init__(self, model: nn.Module, config: EngineConfig | None = None, **options) -> None:
+        """config: an EngineConfig; or its fields as keyword arguments (chunk_size=..., offload=...)."""
+        if config is None:
+            config = EngineConfig(**options)
+        elif options:
+            config = config.replace(**options)
+        if not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an oomb.EngineConfig, got {type(config).__name__}")
+        self.config = config
+        chunk_size, page_size, sparse = config.chunk_size, config.page_size, config.sparse
         self.model = model
+        self.adapter = adapter_for(model)
+        self.chunk_size, self.page_size, self.sparse = chunk_size, page_size, sparse
+        weight = self.adapter.embed_tokens.weight
+        self.device = weight.device
+        self.backend = resolve_backend(config.backend, self.device, config.kernels)
         # Stage 1 keeps attention outputs and LSEs so that stage 2 does not compute them again
         # (memory/kept.py), on the GPU or in pinned host memory (placement.py decides, each step).
-        # True: every layer; None: as many as fit (host: within kept_host_bytes, default half the free).
-        self.keep_attention = None if keep_attention is None else bool(keep_attention)
-        self.kept_host_bytes = kept_host_bytes
-        self._kept_budget: int | None = None  # the default host budget, fixed at the first step
-        # Each parameter's gradient is a sum over the chunks: in bf16 its rounding grows with their
-        # number (~1.5e-2 relative at 256 chunks); param_grad_dtype sums them in fp32 buffers and
-        # rounds into .grad once, as one full-sequence backward does.
-        self.param_grad_dtype = param_grad_dtype
-        # Stage 2 keeps one chunk's activations of every layer, or (checkpoint_layers) only each
-        # layer's input and recomputes the layer in backward: one more forward of the chunk
-        # (about +25 % compute) for one layer's activations: the minimum-memory setting.
-        self.checkpoint_layers = bool(checkpoint_layers)
-        self.adapter = adapter_for(model)
-        self.compile_layers = bool(compile_layers)  # the plan's activation estimate depends on it
+        self.kept = KeptAttention(self.device, config.local_world_size)
         self._fused_ce = None  # the LM head's cross entropy and its gradient, fused (loss.ce_and_grad)
-        if compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
+        if config.compile_layers:  # torch.compile fuses the norms, RoPE, MLP and residuals around attention
             self.adapter.compile()
             if self.adapter.local_kv_heads == self.adapter.n_kv_heads:  # not under TP: plain tensors
                 self._fused_ce = torch.compile(ce_and_grad, dynamic=False)
-        self.chunk_size = chunk_size
-        self.page_size = page_size
-        self.offload = offload
-        self.gpu_page_budget_bytes = gpu_page_budget_bytes
-        # Device memory the caller allocates later (optimizer state): 'auto' leaves it free.
-        self.reserved_gpu_bytes = reserved_gpu_bytes
-        self._budget: int | None = None  # 'auto' page bytes, fixed at the first step or reserve()
-        self.sparse = sparse
         self._seq_len = 0  # of the step being computed
-        weight = self.adapter.embed_tokens.weight
-        self.device = weight.device
-        self.kept = KeptAttention(self.device)
-        self.backend = resolve_backend(backend, self.device)
-        self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype, kv_grad_dtype)
+        self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype,
+                             config.kv_grad_dtype)
         pages_per_chunk = chunk_size // page_size
         # Sliding-window layers keep only the pages of a chunk that a later window can reach.
         tails = {i: min(pages_per_chunk, -(-(w - 1) // page_size))
                  for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
-        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, group_pages,
+        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, config.group_pages,
                                   sparse.representative if sparse is not None else None, tails, pages_per_chunk,
-                                  sparse.chunk_budget if sparse is not None else 0)
+                                  sparse.chunk_budget if sparse is not None else 0,
+                                  copy_engines=config.kernels.copy_engines,
+                                  local_world_size=config.local_world_size)
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
         self._dense_layers = sparse.dense_set(self.adapter.n_layers) if sparse is not None else frozenset()
         self._probe: Probe | None = None  # evaluate(probe=...)
+        # Measured at the first step (or reserve()) and kept, so every step places its pages
+        # alike and the pinned host arenas are reused, not pinned again: the device bytes free
+        # for pages and kept outputs, and the host bytes kept outputs may pin.
+        self._gpu_room: int | None = None
+        self._kept_host_budget: int | None = None
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -173,7 +148,7 @@ class ChunkRecurrentEngine(PagePlacement):
         rng_states = []
         lead = _HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
-        sums = _GradSums(self.summed_params(), self.param_grad_dtype)
+        sums = _GradSums(self.summed_params(), self.config.param_grad_dtype)
         try:
             with torch.no_grad():
                 self._stage1(input_ids, bounds, rng_states, lead, passes)
@@ -204,7 +179,7 @@ class ChunkRecurrentEngine(PagePlacement):
 
     def summed_params(self) -> list[nn.Parameter]:
         """The trainable parameters whose chunk gradients are summed in param_grad_dtype."""
-        wide = self.param_grad_dtype
+        wide = self.config.param_grad_dtype
         if wide is None:
             return []
         return [p for p in self.model.parameters()
@@ -347,7 +322,7 @@ class ChunkRecurrentEngine(PagePlacement):
         ahead: dict[int, object] = {}  # layer -> its groups, made (and loading) one layer early
 
         def look_ahead(i: int, j: int, with_grad: bool) -> None:
-            if self.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
+            if self.config.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
                 return
             if not with_grad and self.kept.has(c, j):
                 return  # its forward reads no page: its output was kept by stage 1
@@ -377,7 +352,7 @@ class ChunkRecurrentEngine(PagePlacement):
             h = a.embed_tokens(ids)
             cos, sin = a.rope(h, start, self._seq_len)
             for i, layer in enumerate(a.layers):
-                if self.checkpoint_layers:
+                if self.config.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
                     # when its backward starts.
                     h = checkpoint(lambda x, i=i, layer=layer: layer_step(i, layer, x, cos, sin)[0], h,
@@ -432,6 +407,143 @@ class ChunkRecurrentEngine(PagePlacement):
             if prefetch:
                 groups.prefetch(False)
         return q, k, v, groups
+
+    # -- placement: the step's sizes and measured memory, decided by placement.place() --------
+
+    def _begin_step(self, batch: int, max_pages: int, training: bool = True) -> None:
+        self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
+        x = self.placement_input(batch, max_pages, training)
+        decision = place(x)
+        full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
+        self.store.place(full[decision.device_layers:])
+        kept = self._kept_order(training, max_pages)[: decision.kept]
+        a = self.adapter
+        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
+        self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // self.config.pages_per_chunk,
+                             (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
+        if x.kept_host_budget is not None and self.config.kept_host_bytes is None:
+            self._kept_host_budget = x.kept_host_budget  # the first step's, kept
+        self._check_memory(batch, max_pages, decision.host_layers * x.layer_bytes)
+        self.store.begin_step(batch, max_pages)
+
+    def placement_input(self, batch: int, max_pages: int, training: bool = True) -> PlacementInput:
+        """This engine's step of `batch` sequences and `max_pages` stored pages, as numbers for
+        placement.place(): its sizes, and on a GPU the room measured at the first step."""
+        cfg, a, store = self.config, self.adapter, self.store
+        n_chunks = max_pages // cfg.pages_per_chunk
+        cuda = self.device.type == "cuda"
+        if cuda and self._gpu_room is None:
+            self._gpu_room = self._headroom()
+        kept = self._kept_order(training, max_pages)
+        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
+        entry = KeptAttention.entry_bytes(batch, cfg.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
+        windows = sum(store.kept(i, cfg.pages_per_chunk) for i in store.tail_pages)
+        pages = PlacementInput(
+            offload=cfg.offload, full_layers=a.n_layers - len(store.tail_pages),
+            layer_bytes=batch * max_pages * store.layer_page_bytes,
+            window_bytes=batch * n_chunks * windows * self.spec.page_bytes,
+            staging_bytes=staging_bytes(store.staged_pages, max_pages, batch, self.spec.page_bytes,
+                                        store.host.rep_bytes),
+            gpu_room=self._gpu_room if cuda else None, page_budget=cfg.gpu_page_budget_bytes)
+        if not kept:
+            return pages
+        budget = cfg.kept_host_bytes if cfg.kept_host_bytes is not None else self._kept_host_budget
+        if budget is None:  # half of what is free besides this step's host pages (and the margin)
+            budget = self._free_host_budget(place(pages).host_bytes)
+        return dataclasses.replace(
+            pages, kept_layers=len(kept), kept_gpu_bytes=self._attention_bytes(batch, max_pages, 1) if cuda else 0,
+            kept_host_bytes=KeptAttention.host_bytes(n_chunks, entry), kept_host_budget=budget,
+            keep_all=cfg.keep_attention is True)
+
+    def _kept_order(self, training: bool, max_pages: int) -> list[int]:
+        """The layers whose stage-1 attention outputs a step may keep, in order of preference:
+        every layer but the last (stage 1 stops at its K/V), full-attention layers first (a
+        window's attention is cheap to recompute); none when evaluating or keep_attention=False."""
+        a = self.adapter
+        if not training or self.config.keep_attention is False or max_pages < self.config.pages_per_chunk:
+            return []
+        return sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
+
+    @property
+    def keeps_attention(self) -> bool:
+        """Whether this step keeps stage 1's attention outputs (of kept.layers; kept.host_layers'
+        on the host)."""
+        return bool(self.kept.layers)
+
+    def _free_host_budget(self, host_pages: int) -> int:
+        """Host bytes kept attention outputs may pin by default: half of what is free besides the
+        step's `host_pages` less a margin, shared among the processes of this machine."""
+        pinned = self.kept.arena_bytes + self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
+        free = max(0, available_host_bytes() + pinned - host_pages - HOST_MARGIN_BYTES)
+        return free // (2 * self.config.local_world_size)
+
+    def _headroom(self) -> int:
+        """Device bytes free for pages (and kept attention) now: free memory and this engine's own
+        pool, less one chunk's working set, what is still to come (parameter gradients not
+        allocated yet, `reserved_gpu_bytes`) and a margin."""
+        a, cfg = self.adapter, self.config
+        reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
+        trainable = None if a.embed_tokens.weight.requires_grad else 0
+        working_set = plan(a.config, cfg.chunk_size, engine=cfg, dtype=self.spec.dtype, trainable_params=trainable,
+                           tp=a.n_kv_heads // a.local_kv_heads,
+                           n_params=sum(local_tensor(p).numel() for p in self.model.parameters())).working_set
+        summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
+        grads = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters()
+                    if p.requires_grad and p.grad is None and p not in summed)
+        grads += sum(local_tensor(p).numel() * torch.finfo(cfg.param_grad_dtype).bits // 8 for p in summed)
+        later = grads + cfg.reserved_gpu_bytes
+        return self._free_gpu_bytes() + reusable - working_set - later - GPU_MARGIN_BYTES
+
+    def _free_gpu_bytes(self) -> int:
+        """Free device memory, counting what the caching allocator holds but does not use."""
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+
+    def _check_memory(self, batch: int, max_pages: int, host_pages: int) -> None:
+        """Refuse a step whose pages the host, or (offload 'none'/'all') the GPU, cannot hold now,
+        before anything is computed, with what would fit and how to get there."""
+        pool_now = self.store.pool.n_slots * self.spec.page_bytes
+        host_need = host_pages - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
+        if self.device.type == "cpu":  # a CPU model's "device" pool (and staging) is host memory too
+            host_pages += self.store.device_pages(batch, max_pages) * self.spec.page_bytes
+            host_need += self.store.device_bytes(batch, max_pages) - pool_now
+        if host_need > 0:
+            available = available_host_bytes()
+            if host_need > available:
+                tokens = max(1, batch * max_pages * self.page_size)
+                per_token = host_pages / tokens
+                raise ValueError(
+                    f"this step needs {human_bytes(host_need)} more host memory for its pages "
+                    f"({human_bytes(per_token)} per token of context), but only {human_bytes(available)} is "
+                    f"available: about {int(available / per_token):,} tokens would fit. Use a shorter context, "
+                    "kv_grad_dtype=torch.bfloat16 (halves the gradient pages), offload='auto' (keeps part on the "
+                    "GPU) or sparse attention."
+                )
+        if self.device.type == "cuda" and self.config.offload != "auto":
+            kept = self._kept_bytes(batch, max_pages)
+            need = self.store.device_bytes(batch, max_pages) - pool_now + kept
+            free = self._free_gpu_bytes()
+            if need > free:
+                also = f" (of which {human_bytes(kept)} for keep_attention: leave it off)" if kept else ""
+                raise ValueError(
+                    f"the pages of this step need {human_bytes(need)} more GPU memory{also}, {human_bytes(free)} "
+                    f"is free; use offload='auto' or offload='all' (pages on the host), a shorter context or "
+                    "kv_grad_dtype=torch.bfloat16"
+                )
+
+    def _kept_bytes(self, batch: int, max_pages: int) -> int:
+        """Device bytes of the attention outputs and LSEs stage 1 keeps on the GPU (keep_attention),
+        of this rank's query heads."""
+        return self._attention_bytes(batch, max_pages, len(self.kept.layers) - len(self.kept.host_layers))
+
+    def _attention_bytes(self, batch: int, max_pages: int, n_layers: int | None = None) -> int:
+        """What keeping the attention outputs and LSEs of n_layers (default: every layer but the
+        last) takes (this rank's query heads)."""
+        a = self.adapter
+        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
+        n_layers = a.n_layers - 1 if n_layers is None else n_layers
+        return kept_attention_bytes(max_pages // self.config.pages_per_chunk, n_layers, batch,
+                                    self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
 
     # -- helpers ------------------------------------------------------------------------------
 

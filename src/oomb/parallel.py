@@ -29,9 +29,20 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from .models import adapter_for
 
 
+def world_size() -> int:
+    """Processes of the run (torchrun's WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def local_world_size() -> int:
+    """Processes of the run on this machine (torchrun's LOCAL_WORLD_SIZE): they share its host
+    memory and CPUs."""
+    return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
 def init_distributed(tp: int = 1) -> DeviceMesh:
     """Process group from torchrun's environment and a (dp, tp) mesh over all ranks."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    world = world_size()
     if world % tp:
         raise ValueError(f"--tp {tp} does not divide the {world} processes; use a divisor of {world}")
     cuda = torch.cuda.is_available()

@@ -11,8 +11,11 @@ from functools import lru_cache
 
 import torch
 
+from . import placement
+from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import PageSpec, staged_slots
+from .memory.spec import PageSpec, staged_slots, staging_bytes
+from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
 
 @dataclass
@@ -37,6 +40,7 @@ class MemoryPlan:
     kept_layers: int = 0  # the layers they are of (every layer but the last); they are placed a layer at a time
     staged_pages: int = 1024  # pages of a staging buffer (two, with host layers): a dense group, a sparse selection
     # (a layer's pages, when fewer)
+    staging: int = 0  # device bytes a step with host layers stages them in (memory/spec.py staging_bytes)
 
     @property
     def working_set(self) -> int:
@@ -74,30 +78,30 @@ class MemoryPlan:
         return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
 
 
-def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size: int = 128,
-         dtype: torch.dtype = torch.bfloat16, kv_grad_dtype: torch.dtype = torch.float32,
-         trainable_params: int | None = None, optimizer_bytes_per_param: int | None = None,
-         checkpoint_layers: bool = False, n_params: int | None = None, sparse=None,
-         optimizer_shards: int = 1, param_grad_dtype: torch.dtype | None = None,
-         keep_attention: bool = False, tp: int = 1, group_pages: int = 1024,
-         compiled: bool = False) -> MemoryPlan:
-    """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none').
+def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = None,
+         dtype: torch.dtype = torch.bfloat16, trainable_params: int | None = None,
+         optimizer_bytes_per_param: int | None = None, n_params: int | None = None, optimizer_shards: int = 1,
+         tp: int = 1, **options) -> MemoryPlan:
+    """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none'), for an
+    engine made with `engine` (an EngineConfig; or its fields as keyword arguments: chunk_size,
+    page_size, kv_grad_dtype, sparse, checkpoint_layers, param_grad_dtype, keep_attention (True:
+    every layer's outputs are counted), group_pages, compile_layers).
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
     default torch's AdamW, two moments in the parameters' dtype (4 B for bf16, as the trainer
     makes it); 0 for none. n_params: the model's parameter count (default: counted on
     a meta-device instance of the config, so mixtures of experts are counted right).
-    sparse: an oomb.TopKPages (top-k attention on the full layers), or None (dense).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
-    param_grad_dtype: the dtype the engine sums parameter gradients in (None: the weights').
-    keep_attention: stage 1 keeps every layer's attention output and LSE but the last's, per stored chunk.
     tp: tensor-parallel degree: the plan is one rank's, which holds 1/tp of every layer's attention
     heads, KV heads (and their pages) and MLP columns, and the embeddings, head and norms whole
     (oomb.parallel.apply_tensor_parallel). n_params and trainable_params are then this rank's.
-    group_pages: the engine's pages per attention call, which a dense host layer stages at a time.
-    compiled: the decoder layers run under torch.compile (compile_layers), which saves less for
-    backward (dense MLPs; a mixture of experts is counted as eager, not having been measured).
+    compile_layers saves less for backward (dense MLPs; a mixture of experts is counted as eager,
+    not having been measured).
     """
+    engine = EngineConfig(**options) if engine is None else engine.replace(**options)
+    chunk_size, page_size, sparse = engine.chunk_size, engine.page_size, engine.sparse
+    checkpoint_layers, compiled = engine.checkpoint_layers, engine.compile_layers
+    keep_attention, param_grad_dtype = engine.keep_attention is not False, engine.param_grad_dtype
     hidden, inter = config.hidden_size, config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -117,7 +121,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
     trainable = n_params if trainable_params is None else trainable_params
     if optimizer_bytes_per_param is None:
         optimizer_bytes_per_param = 2 * item  # exp_avg and exp_avg_sq, each like its parameter
-    spec = PageSpec(page_size, kv_heads, head_dim, dtype, kv_grad_dtype)
+    spec = PageSpec(page_size, kv_heads, head_dim, dtype, engine.kv_grad_dtype)
     n_chunks = -(-seq_len // chunk_size)
     chunk_pages = chunk_size // page_size
     stored_pages = (n_chunks - 1) * chunk_pages  # the last chunk is never stored
@@ -140,6 +144,7 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         # no fp32 intermediates: measured on the H200, 172 KiB a token and layer at the 7B shape
         # against this 171 KiB (the eager formula's 236; H200, 2026-12-01, 88a73cb).
         mlp, norms = 3 * inter, 0
+    staged = sparse.chunk_budget if sparse is not None else engine.group_pages
     per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + norms
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
@@ -160,7 +165,9 @@ def plan(config, seq_len: int, batch: int = 1, chunk_size: int = 4096, page_size
         kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
                        if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
-        staged_pages=staged_slots(sparse.chunk_budget if sparse is not None else group_pages, stored_pages),
+        staged_pages=staged_slots(staged, stored_pages),
+        staging=staging_bytes(staged, stored_pages, batch, spec.page_bytes,
+                              sparse.rep_size * kv_heads * head_dim * item if sparse is not None else 0),
         **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
     )
 
@@ -229,7 +236,7 @@ def head_dim_of(config) -> int:
 
 
 @dataclass
-class Placement:
+class Fit:
     """Where a step's bytes go under an offload mode, against the memory a machine has."""
 
     offload: str
@@ -237,6 +244,7 @@ class Placement:
     host: int  # pinned host bytes (the host layers' pages, kept attention outputs that go there)
     gpu_capacity: int
     host_capacity: int
+    decision: placement.Placement | None = None
 
     @property
     def fits(self) -> bool:
@@ -252,28 +260,18 @@ class Placement:
 GPU_MARGIN_BYTES = 2 * 2**30
 
 
-def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int) -> Placement:
-    """Split the step's pages between GPU and host as the engine does: 'none' all on the GPU,
-    'all' all on the host (the GPU keeps two staging buffers), 'auto' whole layers on the GPU
-    while they fit, the rest on the host. Sliding-window layers' pages stay on the GPU. Kept
-    attention outputs: as many layers' as fit beside the pages on the GPU, the others on the host."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.window_pages + p.selections + GPU_MARGIN_BYTES
-    n_layers = p.full_layers
-    layer = (p.pages + p.representatives - p.window_pages) // max(1, n_layers)  # a layer's pages go whole
-    staging = 2 * p.staged_pages * p.batch * p.page_bytes
-    if offload == "none":
-        on_gpu = n_layers
-    elif offload == "all":
-        on_gpu = 0
-    else:
-        on_gpu = n_layers if layer == 0 else min(n_layers, max(0, gpu_capacity - fixed - staging) // layer)
-    on_host = n_layers - on_gpu
-    gpu, host = fixed + on_gpu * layer + (staging if on_host else 0), on_host * layer
-    if p.kept_attention:
-        per_layer = p.kept_attention // p.kept_layers
-        kept_gpu = min(p.kept_layers, max(0, gpu_capacity - gpu) // per_layer) * per_layer
-        gpu, host = gpu + kept_gpu, host + p.kept_attention - kept_gpu
-    return Placement(offload, gpu, host, gpu_capacity, host_capacity)
+def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int) -> Fit:
+    """The step's placement (placement.place(), as the engine decides it) on a GPU of
+    `gpu_capacity` bytes beside weights, gradients, optimizer state, one chunk's working set and
+    a margin; kept attention outputs as many layers' on the GPU as fit, the others on the host."""
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.selections + GPU_MARGIN_BYTES
+    per_kept = p.kept_attention // p.kept_layers if p.kept_layers else 0
+    decision = placement.place(placement.PlacementInput(
+        offload=offload, full_layers=p.full_layers,
+        layer_bytes=(p.pages + p.representatives - p.window_pages) // max(1, p.full_layers),  # a layer goes whole
+        window_bytes=p.window_pages, staging_bytes=p.staging, gpu_room=gpu_capacity - fixed,
+        kept_layers=p.kept_layers, kept_gpu_bytes=per_kept, kept_host_bytes=per_kept))
+    return Fit(offload, fixed + decision.gpu_bytes, decision.host_bytes, gpu_capacity, host_capacity, decision)
 
 
 def longest_context(fits, chunk_size: int, limit: int = 2**26) -> int:
@@ -286,11 +284,3 @@ def longest_context(fits, chunk_size: int, limit: int = 2**26) -> int:
         else:
             hi = mid - 1
     return lo * chunk_size
-
-
-def human_bytes(n: float) -> str:
-    """'1.5 GiB', '12.0 MiB', '512 B': for messages a person reads."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n:.0f} B"

@@ -4,11 +4,14 @@ Two backends with one pair of functions, `forward(q, k, v, pages, scale, include
 `backward(do, q, k, v, o, lse, pages, scale, include_self)`:
   - "torch":  reference.py, plain PyTorch (CPU and CUDA; the oracle in tests);
   - "triton": paged.py, kernels that read pages in place and accumulate dK/dV into them.
-function.py runs either over the groups of a layer's pages, with autograd.
+function.py runs either over the groups of a layer's pages, with autograd. `Backend` is one of
+them with the kernel options it runs with (oomb.KernelOptions).
 """
 from __future__ import annotations
 
 import importlib
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -18,12 +21,47 @@ BACKENDS = ("torch", "triton", "auto")
 _MODULES = {"torch": "oomb.attention.reference", "triton": "oomb.attention.paged"}
 
 
-def resolve_backend(backend: str, device: torch.device) -> str:
+@dataclass(frozen=True)
+class Backend:
+    """A backend's `forward` / `backward` (function.py's ops), run with `kernels` (an
+    oomb.KernelOptions, or None: every fast path on). The torch backend takes no options."""
+
+    name: str
+    kernels: Any = None
+
+    def __post_init__(self) -> None:
+        if self.name not in _MODULES:
+            raise ValueError(f"backend={self.name!r} is not one of {tuple(_MODULES)}")
+
+    @property
+    def _ops(self):
+        return importlib.import_module(_MODULES[self.name])
+
+    def forward(self, q, k, v, pages, scale: float, include_self: bool = True):
+        if self.name == "triton":
+            return self._ops.forward(q, k, v, pages, scale, include_self, kernels=self.kernels)
+        return self._ops.forward(q, k, v, pages, scale, include_self)
+
+    def backward(self, do, q, k, v, o, lse, pages, scale: float, include_self: bool = True):
+        if self.name == "triton":
+            return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self, kernels=self.kernels)
+        return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def resolve_backend(backend: str, device: torch.device, kernels=None) -> Backend:
+    """The backend `backend` names ('auto': triton on CUDA, torch elsewhere) with `kernels`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; 'auto' picks triton on CUDA, torch elsewhere")
     if backend == "auto":
-        return "triton" if device.type == "cuda" else "torch"
-    return backend
+        backend = "triton" if device.type == "cuda" else "torch"
+    return Backend(backend, kernels)
+
+
+def _backend(backend) -> Backend:
+    return backend if isinstance(backend, Backend) else Backend(backend)
 
 
 def single_group(pages) -> PageGroups:
@@ -32,7 +70,7 @@ def single_group(pages) -> PageGroups:
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups,
-                    scale: float, backend: str, sinks: torch.Tensor | None = None,
+                    scale: float, backend: Backend | str, sinks: torch.Tensor | None = None,
                     known: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q: (B, H, C, D); k, v: (B, Hkv, C, D) of the chunk itself -> o: (B, H, C, D).
 
@@ -41,7 +79,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: P
     known: (o, lse) of these same inputs from attention_with_lse (stage 1 of the chunk): the
     forward is not computed again; backward reads the pages as always.
     """
-    ops = importlib.import_module(_MODULES[backend])
+    ops = _backend(backend)
     if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, sinks)):
         return PagedAttention.apply(q, k, v, sinks, groups, scale, ops, known)
     if known is not None:
@@ -50,8 +88,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: P
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: PageGroups, scale: float,
-                       backend: str, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       backend: Backend | str, sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(o (B, H, C, D) in q's dtype, lse fp32 (B, H, C)), without autograd: what a later
     paged_attention(..., known=) of the same inputs takes instead of computing them again."""
-    o, lse = attention_forward(importlib.import_module(_MODULES[backend]), q, k, v, groups, scale, sinks)
+    o, lse = attention_forward(_backend(backend), q, k, v, groups, scale, sinks)
     return o.to(q.dtype), lse

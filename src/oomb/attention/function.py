@@ -12,8 +12,7 @@ order (deterministic). The chunk's own keys ride with the first group.
 """
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import torch
 
@@ -24,7 +23,15 @@ from ..memory.spec import LayerPages
 PageGroups = Callable[[bool], Iterator[LayerPages]]
 
 
-def attention_forward(ops: ModuleType, q, k, v, groups: PageGroups, scale: float, sinks=None):
+class AttentionOps(Protocol):
+    """A backend (oomb.attention.Backend): one group's attention and its gradient."""
+
+    def forward(self, q, k, v, pages: LayerPages, scale: float, include_self: bool = True): ...
+
+    def backward(self, do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True): ...
+
+
+def attention_forward(ops: AttentionOps, q, k, v, groups: PageGroups, scale: float, sinks=None):
     """Merged (o fp32 (B, H, C, D), lse fp32 (B, H, C)) over all groups.
 
     sinks: (H,) learned logits (GPT-OSS) that join each head's softmax denominator with no
@@ -50,7 +57,7 @@ def _merge(o_a, lse_a, o_b, lse_b):
 
 class PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, groups: PageGroups, scale: float, ops: ModuleType, known=None):
+    def forward(ctx, q, k, v, sinks, groups: PageGroups, scale: float, ops: AttentionOps, known=None):
         if known is None:
             o, lse = attention_forward(ops, q, k, v, groups, scale, sinks)
             o = o.to(q.dtype)

@@ -32,7 +32,7 @@ through in PAGE_SIZE // BLOCK_N tiles).
 from __future__ import annotations
 
 import math
-import os
+from types import SimpleNamespace
 
 import torch
 import triton
@@ -47,14 +47,13 @@ from .paged_forward import _paged_attn_fwd
 LN2 = math.log(2.0)
 RCP_LN2 = 1.0 / LN2
 MAX_HEAD_DIM = 256
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the dK/dV pages
 # The forward and dQ kernels load page tiles through tensor descriptors where they can (_descriptors):
 # on the H200 +10 % forward TFLOP/s, and a dQ kernel 26 % faster, its loop pipelined; the dK/dV pages
 # kernel its query tiles (Q, dO): 2-4 % faster (H200, 2026-11-30, e32e5de..ac5ede3; docs/experiments.md).
-# OOMB_TMA=0 turns all off, OOMB_DQ_TMA=0 the dQ kernel's (pointer loads, its page slots in the loop),
-# OOMB_DKDV_TMA=0 the dK/dV kernel's.
-TMA = os.environ.get("OOMB_TMA", "1") != "0"
-DQ_TMA = os.environ.get("OOMB_DQ_TMA", "1") != "0"
-DKDV_TMA = os.environ.get("OOMB_DKDV_TMA", "1") != "0"
+# KernelOptions(tma=False) turns all off, dq_tma=False the dQ kernel's (pointer loads, its page slots
+# in the loop), dkdv_tma=False the dK/dV kernel's.
+ALL_ON = SimpleNamespace(tma=True, dq_tma=True, dkdv_tma=True, gluon=True)  # KernelOptions' defaults
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -97,11 +96,22 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages)
     if pages.dk is not None:
         if pages.dk.shape != pages.k.shape or pages.dv is None or pages.dv.shape != pages.k.shape:
             raise ValueError("pages.dk and pages.dv must both be given, shaped like pages.k")
-        if pages.dk.dtype != torch.float32 or pages.dv.dtype != torch.float32:
-            raise ValueError(f"gradient pages must be float32; got {pages.dk.dtype}/{pages.dv.dtype}")
+        if pages.dk.dtype not in GRAD_DTYPES or pages.dv.dtype != pages.dk.dtype:
+            raise ValueError(f"gradient pages must share one dtype of {GRAD_DTYPES} (the kernels add in fp32 and "
+                             f"round once into them); got {pages.dk.dtype}/{pages.dv.dtype}")
     # Internal layout invariants of the store (pools made with empty_like share strides).
     assert pages.k.stride() == pages.v.stride(), "k and v pools must share strides"
     assert pages.dk is None or pages.dk.stride() == pages.dv.stride(), "dk and dv pools must share strides"
+
+
+def _check_backward(do: torch.Tensor, q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor) -> None:
+    """The backward's own inputs: dO and O like q, the LSE (B, H, C) fp32."""
+    if do.shape != q.shape or o.shape != q.shape:
+        raise ValueError(f"do and o must be shaped like q {tuple(q.shape)}; got {tuple(do.shape)}, {tuple(o.shape)}")
+    if do.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"do dtype {do.dtype} is not supported; use float16, bfloat16 or float32")
+    if lse.shape != q.shape[:3] or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 {tuple(q.shape[:3])}; got {lse.dtype} {tuple(lse.shape)}")
 
 
 def _head_dim_block(d: int) -> int:
@@ -131,7 +141,7 @@ def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
         return dict(BLOCK_M1=16, BLOCK_N1=64, warps1=4, stages1=1, BLOCK_M2=64, BLOCK_N2=16, warps2=4, stages2=1)
     # bench/tune_attention.py on an H200 (as _fwd_config): 362.9 TFLOP/s (2.5x fwd FLOPs); 64x64
     # tiles with 4 warps and 2 stages 373.0 in the sweep but slower in the step; 32-query tiles
-    # 324.7 or less. With dQ's descriptor loop (DQ_TMA): 400.5 for these dQ settings, 401.5 with
+    # 324.7 or less. With dQ's descriptor loop (dq_tma): 400.5 for these dQ settings, 401.5 with
     # 4 stages, 392.8 with 128-key tiles and 2 stages (3 and 4 do not fit shared memory).
     return dict(BLOCK_M1=64, BLOCK_N1=128, warps1=8, stages1=3, BLOCK_M2=128, BLOCK_N2=64, warps2=8, stages2=3)
 
@@ -198,8 +208,9 @@ def _page_visits(pages: LayerPages) -> dict:
                 NVisits=count.contiguous())
 
 
-def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None):
+def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None, kernels=None):
     """o (B, H, C, D) in o_dtype (default q's) and the base-2 lse (B, H, C) fp32."""
+    kernels = kernels or ALL_ON
     _check(q, k, v, pages)
     b, h, c, d = q.shape
     n_kv = k.shape[1]
@@ -212,7 +223,7 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     n_m = triton.cdiv(c, cfg["BLOCK_M"])
     grid = (n_m * b * h,) if sp["SPARSE"] else (n_m, b * h)  # _fwd_program's launch orders
     _check_blocks(sp, cfg["BLOCK_M"])
-    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, pages.n_pages > 0)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and pages.n_pages > 0)
     _paged_attn_fwd[grid](
         q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
@@ -236,9 +247,9 @@ def _descriptors(tensors: tuple, block_rows: int, d: int, enabled: bool = True) 
 
 def _tma_eligible(tensors: tuple, d: int) -> bool:
     """Whether a kernel may read these (B-or-slot, heads, rows, D) tensors through tensor
-    descriptors (the TMA unit): not turned off (TMA, env OOMB_TMA=0), a Hopper or later GPU (or
-    the interpreter), 16-bit, a power-of-two head_dim, 16-byte aligned strides and data."""
-    if not TMA or d != _head_dim_block(d):
+    descriptors (the TMA unit): a Hopper or later GPU (or the interpreter), 16-bit, a power-of-two
+    head_dim, 16-byte aligned strides and data."""
+    if d != _head_dim_block(d):
         return False
     device = tensors[0].device
     if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] < 9:
@@ -259,9 +270,13 @@ def _check_blocks(sp: dict, block_m: int) -> None:
                          f"tile {block_m} on this device; use block_queries=128 (or 256)")
 
 
-def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, dq_dtype=None):
+def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, dq_dtype=None,
+              kernels=None):
     """dq (dq_dtype, default q's), dk, dv of the chunk (None without include_self); adds the
     pages' gradient into pages.dk/dv. lse is base 2, as _forward returns it."""
+    kernels = kernels or ALL_ON
+    _check(q, k, v, pages)
+    _check_backward(do, q, o, lse)
     b, h, c, d = q.shape
     n_kv = k.shape[1]
     group = h // n_kv
@@ -282,13 +297,13 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     # On Hopper, dense pages with gradients: dK/dV and the pages' dQ in one Gluon kernel (five tile
     # products, not seven); the dQ kernel below then runs over the chunk's own keys only.
     dq_pages = None
-    if paged_hopper.eligible(q, pages):
+    if kernels.gluon and paged_hopper.eligible(q, pages):
         dq_pages = paged_hopper.backward_pages(do, q, lse, delta, pages, scale)  # (B, H, C, D) fp32
     elif pages.dk is not None and pages.n_pages > 0:
         visits = _page_visits(pages)
         block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
-        q_in, do_in, tma = _descriptors((q, do), cfg["BLOCK_M1"], d, DKDV_TMA)
+        q_in, do_in, tma = _descriptors((q, do), cfg["BLOCK_M1"], d, kernels.tma and kernels.dkdv_tma)
         _paged_attn_bwd_dkdv_pages[grid](
             q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
             visits["Visits"], visits["NVisits"],
@@ -326,7 +341,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     # (B, H, C, D); fp32 when the pages' share is added after (one rounding to dq_dtype)
     dq = torch.empty(q.shape, dtype=dq_dtype if dq_pages is None else torch.float32, device=q.device)
     block_n = min(cfg["BLOCK_N2"], page_size)
-    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, DQ_TMA and n_pages > 0)
+    kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and kernels.dq_tma and n_pages > 0)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
         q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
@@ -348,13 +363,15 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
 # ----------------------------------------------------------------------------------------
 
 
-def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):
-    """One group's (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log); see reference.forward."""
-    o, lse2 = _forward(q, k, v, pages, scale, include_self, o_dtype=torch.float32)
+def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, kernels=None):
+    """One group's (o fp32 (B, H, C, D), lse fp32 (B, H, C), natural log); see reference.forward.
+    kernels: an oomb.KernelOptions (None: every fast path on)."""
+    o, lse2 = _forward(q, k, v, pages, scale, include_self, o_dtype=torch.float32, kernels=kernels)
     return o, lse2 * LN2  # log2-sum-exp2 -> natural log
 
 
-def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True):
+def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self: bool = True, kernels=None):
     """One group's (dq fp32, dk, dv or None) given the final o, lse (natural log) of all groups;
     adds the pages' dK/dV into pages.dk / pages.dv. See reference.backward."""
-    return _backward(do, q, k, v, o, lse * RCP_LN2, pages, scale, include_self, dq_dtype=torch.float32)
+    return _backward(do, q, k, v, o, lse * RCP_LN2, pages, scale, include_self, dq_dtype=torch.float32,
+                     kernels=kernels)

@@ -39,7 +39,6 @@ its page bounds and the fixed-point scheme.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -50,8 +49,7 @@ from ..memory.spec import LayerPages
 BLOCK_M, BLOCK_N, HEAD_DIM, STAGES = 64, 128, 128, 2
 # shared memory: K, V 64 KiB; 2 x (Q, dO) 64 KiB; 2 x dS^T 32 KiB; 2 x int32 dQ 64 KiB (224.3 KiB in all)
 FIXED_POINT_BITS = 29
-# OOMB_GLUON=0 turns the kernel off (the Triton path everywhere: A/B runs, a Triton without Gluon).
-ENABLED = os.environ.get("OOMB_GLUON", "1") != "0"
+# KernelOptions(gluon=False) (OOMB_GLUON=0) turns the kernel off: the Triton path everywhere (A/B runs).
 
 # Gluon's API is experimental and changes between releases (3.9 renamed thread_barrier, for one):
 # the kernel is written against, and tested on, these Triton versions; any other takes the Triton path.
@@ -73,7 +71,7 @@ def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
     (bf16 dK/dV pages take the Triton path), on a Hopper GPU, 16-bit, head_dim 128, a chunk of a
     multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools (and a page table
     whose rows are contiguous, as the store's are)."""
-    return (ENABLED and AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == HEAD_DIM
             and q.shape[2] % BLOCK_M == 0 and pages.n_pages > 0 and pages.dk is not None
             and pages.selection is None and not pages.window and pages.k.shape[2] % BLOCK_N == 0

@@ -8,14 +8,14 @@ reads the selections stage 1 made), the copy engines can move them instead: each
 consecutive rows becomes one copy, and every copy of a transfer goes to the driver in one call,
 `cuMemcpyBatchAsync` (CUDA 12.8+), ordered on its stream like `cudaMemcpyAsync`.
 
-The driver is reached through ctypes (libcuda.so.1, which every CUDA system has); `OOMB_DMA=0`,
+The driver is reached through ctypes (libcuda.so.1, which every CUDA system has);
+KernelOptions(copy_engines=False) (`OOMB_DMA=0` at the command line),
 a driver without the call, or a CPU-only system leave the kernel in charge.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import numpy as np
 import torch
@@ -67,13 +67,14 @@ class BatchCopier:
         if err:
             raise RuntimeError(f"cuMemcpyBatchAsync of {n} copies failed with CUDA driver error {err}"
                                + (f" at copy {fail.value}" if self._with_fail_index else "")
-                               + "; set OOMB_DMA=0 to move host pages with the zero-copy kernel instead")
+                               + "; set OOMB_DMA=0 (KernelOptions(copy_engines=False)) to move host pages with the "
+                               "zero-copy kernel instead")
 
 
 @functools.cache
 def batch_copier() -> BatchCopier | None:
-    """The driver's batched copy, or None (OOMB_DMA=0, no CUDA driver, or one older than 12.8)."""
-    if os.environ.get("OOMB_DMA", "1") == "0" or not torch.cuda.is_available():
+    """The driver's batched copy, or None (no CUDA driver, or one older than 12.8)."""
+    if not torch.cuda.is_available():
         return None
     try:
         lib = ctypes.CDLL("libcuda.so.1")

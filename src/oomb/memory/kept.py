@@ -30,8 +30,9 @@ _ALIGN = 256
 
 
 class KeptAttention:
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, local_ranks: int = 1) -> None:
         self.device = torch.device(device)
+        self.local_ranks = local_ranks  # processes of this machine pinning host memory (memory/pinned.py)
         self.cuda = self.device.type == "cuda"
         self.layers: tuple[int, ...] = ()  # the layers kept this step, in load order
         self.host_layers: frozenset[int] = frozenset()  # those of them kept in host memory
@@ -91,7 +92,7 @@ class KeptAttention:
         n = len(self.host_layers) * n_chunks
         if entry != self._entry_bytes or n > len(self._free):
             self._arena = None  # free the old arena before pinning the new one
-            self._arena = empty_pinned((n * entry,), torch.uint8, pin=self.cuda)
+            self._arena = empty_pinned((n * entry,), torch.uint8, pin=self.cuda, local_ranks=self.local_ranks)
             self._entry_bytes = entry
             self._free = list(range(n))
 

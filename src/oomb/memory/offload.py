@@ -50,12 +50,12 @@ import triton.language as tl
 
 from .dma import batch_copier, row_copies
 from .pinned import empty_pinned
-from .spec import LayerPages, PageSpec, staged_slots
+from .spec import LayerPages, PageSpec, staged_slots, staging_bytes
 
 
 class HostPages:
     def __init__(self, spec: PageSpec, layers: list[int], device: torch.device, group_pages: int,
-                 rep_size: int = 0) -> None:
+                 rep_size: int = 0, copy_engines: bool = True, local_ranks: int = 1) -> None:
         self.spec = spec
         self.rep_size = rep_size  # vectors per page and KV head of sparse representatives (0: dense)
         self.layers = layers
@@ -64,7 +64,9 @@ class HostPages:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> GPU
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
-        self.dma = batch_copier() if self.cuda else None  # the copy engines' batched copy, if the driver has it
+        # the copy engines' batched copy, if the driver has it (else the zero-copy kernel, copy_rows)
+        self.dma = batch_copier() if self.cuda and copy_engines else None
+        self.copy_engines, self.local_ranks = copy_engines, local_ranks
         self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
@@ -94,8 +96,7 @@ class HostPages:
     def staging_bytes(self, batch: int, max_pages: int) -> int:
         if not self.layers:
             return 0
-        return (2 * staged_slots(self.group_pages, max_pages) * batch * self.spec.page_bytes
-                + batch * max_pages * self.rep_bytes)
+        return staging_bytes(self.group_pages, max_pages, batch, self.spec.page_bytes, self.rep_bytes)
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         if not self.layers:
@@ -108,12 +109,12 @@ class HostPages:
             self.arena = {}  # free the old arena before pinning the new one
             pin = self.cuda
             dtypes = (s.dtype, s.dtype) + ((s.grad_dtype, s.grad_dtype) if s.grads else ())
-            self.arena = {layer: [empty_pinned(shape, dt, pin) for dt in dtypes]
+            self.arena = {layer: [empty_pinned(shape, dt, pin, self.local_ranks) for dt in dtypes]
                           for layer in self.layers}
             if self.rep_size:
                 reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
                 for layer in self.layers:
-                    self.arena[layer].append(empty_pinned(reps, s.dtype, pin))
+                    self.arena[layer].append(empty_pinned(reps, s.dtype, pin, self.local_ranks))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             n = staged_slots(self.group_pages, max_pages)
             slots = (n * batch, s.n_kv_heads, s.page_size, s.head_dim)

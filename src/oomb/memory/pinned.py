@@ -25,16 +25,17 @@ _TOUCH_SLICE = 256 * 2**20  # bytes one thread zeroes at a time
 _MAX_THREADS = 16
 
 
-def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True) -> torch.Tensor:
+def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True, local_ranks: int = 1) -> torch.Tensor:
     """A zeroed CPU tensor, pinned (page-locked and mapped for the GPU) when `pin`; pinned by
-    torch's own allocator if this system cannot register host memory."""
+    torch's own allocator if this system cannot register host memory. local_ranks: processes of
+    this machine pinning at once (they share its CPUs)."""
     nbytes = math.prod(shape) * dtype.itemsize
     if not pin or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     raw = np.empty(nbytes + PAGE_BYTES, dtype=np.uint8)
     start = -raw.ctypes.data % PAGE_BYTES
     buf = raw[start : start + nbytes]
-    _touch(buf)
+    _touch(buf, touch_threads(local_ranks))
     cudart = torch.cuda.cudart()
     ptr = buf.ctypes.data
     err = cudart.cudaHostRegister(ptr, nbytes, 0)
@@ -47,10 +48,10 @@ def empty_pinned(shape: tuple[int, ...], dtype: torch.dtype, pin: bool = True) -
     return torch.from_numpy(buf).view(dtype).view(shape)
 
 
-def _touch(buf: np.ndarray) -> None:
-    """Fault the pages in on several threads (numpy's fill releases the GIL)."""
+def _touch(buf: np.ndarray, threads: int) -> None:
+    """Fault the pages in on up to `threads` threads (numpy's fill releases the GIL)."""
     slices = [buf[i : i + _TOUCH_SLICE] for i in range(0, buf.size, _TOUCH_SLICE)]
-    threads = min(len(slices), touch_threads())
+    threads = min(len(slices), threads)
     if threads <= 1:
         buf.fill(0)
         return
@@ -58,12 +59,11 @@ def _touch(buf: np.ndarray) -> None:
         list(pool.map(lambda s: s.fill(0), slices))
 
 
-def touch_threads() -> int:
-    """This process's share of the CPUs it may run on (torchrun starts LOCAL_WORLD_SIZE of them
+def touch_threads(local_ranks: int = 1) -> int:
+    """This process's share of the CPUs it may run on (torchrun starts `local_ranks` processes
     per machine), at most 16."""
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    return max(1, min(_MAX_THREADS, cpus // local))
+    return max(1, min(_MAX_THREADS, cpus // max(1, local_ranks)))
 
 
 def _unregister(cudart, ptr: int) -> None:

@@ -62,6 +62,12 @@ def staged_slots(group_pages: int, max_pages: int) -> int:
     return max(1, min(group_pages, max_pages))
 
 
+def staging_bytes(staged_pages: int, max_pages: int, batch: int, page_bytes: int, rep_bytes: int = 0) -> int:
+    """Device bytes a step with host layers stages their pages in: two buffers of `staged_slots`
+    pages per sequence (a group, or a sparse selection; offload.py) and one layer's representatives."""
+    return 2 * staged_slots(staged_pages, max_pages) * batch * page_bytes + batch * max_pages * rep_bytes
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 

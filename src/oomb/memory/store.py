@@ -28,7 +28,8 @@ from .spec import LayerPages, PageSpec, Selection, page_representatives
 class PagedKVStore:
     def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 1024,
                  representative: str | None = None, tail_pages: dict[int, int] | None = None,
-                 chunk_pages: int = 0, selected_pages: int = 0) -> None:
+                 chunk_pages: int = 0, selected_pages: int = 0, copy_engines: bool = True,
+                 local_world_size: int = 1) -> None:
         self.spec = spec
         self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
         # Sparse attention: one representative per page and KV head (a few KiB a page), logically
@@ -51,7 +52,9 @@ class PagedKVStore:
         # group_pages (the dense layers of a sparse model, TopKPages.dense_layers, a selection's
         # worth of pages at a time; its sliding-window layers never go to the host).
         self.staged_pages = selected_pages or group_pages
-        self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size)
+        # how host pages are pinned and moved (config.KernelOptions.copy_engines, EngineConfig.local_world_size)
+        self._host_options = dict(copy_engines=copy_engines, local_ranks=local_world_size)
+        self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size, **self._host_options)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._rep_row = self._rep_rows()  # full device layer -> row of self.reps
         self._chunk_slots: dict[int, list[int]] = {}
@@ -64,7 +67,8 @@ class PagedKVStore:
         # A step that needs fewer host layers (a shorter one) keeps the arena pinned for the
         # longer ones: pinning costs ~0.5 s per GiB, the unused pinned pages cost nothing on the GPU.
         if not set(host_layers) <= set(self.host.layers):
-            self.host = HostPages(self.spec, host_layers, self.device, self.staged_pages, self.rep_size)
+            self.host = HostPages(self.spec, host_layers, self.device, self.staged_pages, self.rep_size,
+                                  **self._host_options)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
         self._rep_row = self._rep_rows()

@@ -13,11 +13,12 @@ import torch
 import torch.distributed as dist
 
 from ..attention.sparse import TopKPages
+from ..config import EngineConfig, KernelOptions
 from ..engine import ChunkRecurrentEngine
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
-                        init_distributed, local_tensor)
+                        init_distributed, local_tensor, local_world_size, world_size)
 from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
@@ -56,6 +57,19 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     if cfg.float8 != "none":
         apply_float8(model, cfg.float8)  # after LoRA: a wrapped projection's base layer, not its adapters
     return model
+
+
+def engine_config(cfg, kernels: KernelOptions | None = None, **extra) -> EngineConfig:
+    """The EngineConfig of a TrainConfig's engine settings (`extra`: what the run measures,
+    reserved_gpu_bytes, local_world_size)."""
+    return EngineConfig(chunk_size=cfg.chunk_size, page_size=cfg.page_size, group_pages=cfg.group_pages,
+                        backend=cfg.backend, offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
+                        checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
+                        compile_layers=cfg.compile_layers,
+                        param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
+                        keep_attention=cfg.keep_attention,
+                        kept_host_bytes=None if cfg.kept_host_gib is None else int(cfg.kept_host_gib * 2**30),
+                        kernels=kernels or KernelOptions(), **extra)
 
 
 def sparse_config(cfg) -> TopKPages | None:
@@ -244,14 +258,15 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     return float(total[0] / total[1]), int(total[1])
 
 
-def train(cfg: TrainConfig) -> list[float]:
-    """Run cfg.steps optimizer steps; returns the loss of every step.
+def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]:
+    """Run cfg.steps optimizer steps; returns the loss of every step. kernels: the engine's
+    KernelOptions (the command line passes KernelOptions.from_env(os.environ)).
 
     Under torchrun (WORLD_SIZE > 1) the ranks form a (data-parallel, tensor-parallel) mesh:
     `cfg.tp` ranks share each sequence, the rest each take their own; rank 0 logs and saves.
     """
     torch.manual_seed(cfg.seed)
-    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    distributed = world_size() > 1
     if cfg.tp > 1 and not distributed:
         raise ValueError(f"tp={cfg.tp} needs {cfg.tp} processes: launch with torchrun --nproc-per-node {cfg.tp} ...")
     mesh = init_distributed(cfg.tp) if distributed else None
@@ -269,16 +284,8 @@ def train(cfg: TrainConfig) -> list[float]:
     zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
     optimizer = make_optimizer(params, cfg, dp_group if zero else None)
     try:
-        engine = ChunkRecurrentEngine(model, chunk_size=cfg.chunk_size, page_size=cfg.page_size,
-                                      group_pages=cfg.group_pages, backend=cfg.backend, offload=cfg.offload,
-                                      kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
-                                      checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
-                                      reserved_gpu_bytes=optimizer_state_bytes(optimizer),
-                                      compile_layers=cfg.compile_layers,
-                                      param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
-                                      keep_attention=cfg.keep_attention,
-                                      kept_host_bytes=None if cfg.kept_host_gib is None
-                                      else int(cfg.kept_host_gib * 2**30))
+        engine = ChunkRecurrentEngine(model, engine_config(cfg, kernels, reserved_gpu_bytes=optimizer_state_bytes(
+            optimizer), local_world_size=local_world_size()))
     except ValueError as e:
         if cfg.compile is None and cfg.compile_layers:
             why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}"
