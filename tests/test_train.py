@@ -97,6 +97,20 @@ def test_cli_plan_json():
     assert json.loads(out.stdout)["optimizer"] == plan["optimizer"] // 2  # 8-bit moments
 
 
+def test_qwen_presets_are_the_published_shapes():
+    """The Qwen2.5 presets build the published models' parameter counts (Qwen's model cards:
+    0.5B 0.49B, 1.5B 1.54B, 3B 3.09B, 7B 7.61B; the small ones tie the head to the embedding)."""
+    from oomb.plan import count_params
+    from oomb.presets import preset_config
+    sizes = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+             "qwen2.5-7b": 7_615_616_512}
+    for name, n in sizes.items():
+        cfg = preset_config(name)
+        assert count_params(cfg) == n, name
+        assert cfg.rope_parameters["rope_theta"] == 1e6 and cfg.rms_norm_eps == 1e-6
+        assert cfg.tie_word_embeddings == (name != "qwen2.5-7b")
+
+
 def test_cli_eval(capsys):
     main(["eval", "--seq-len", "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu", "--json"])
     out = capsys.readouterr().out.strip().splitlines()
