@@ -1,4 +1,6 @@
+import mmap
 import os
+import sys
 
 import pytest
 import torch
@@ -36,3 +38,28 @@ class MemmoveCopier:
 @pytest.fixture
 def memmove_copier():
     return MemmoveCopier()
+
+
+def beyond_int32(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(y, shift): y[shift:] is a copy of x (rows along dim 0) whose every element lies 2**31 or more
+    elements past y's start, where an offset computed in int32 overflows; and y starts 2**31
+    elements into its memory, so an offset that wrapped to a negative int32 reads zeros there
+    rather than faulting. The memory is address space only (mmap with MAP_NORESERVE: 8 to 16 GiB
+    of it, of which only the pages written are ever committed); the test skips where the system
+    refuses that."""
+    row = x[0].numel()
+    shift = -(-2**31 // row)
+    n = (2 * shift + x.shape[0]) * row
+    noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
+    try:
+        mem = mmap.mmap(-1, n * x.element_size(), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve)
+    except (OSError, ValueError) as e:
+        pytest.skip(f"cannot reserve {n * x.element_size() / 2**30:.0f} GiB of address space: {e}")
+    y = torch.frombuffer(mem, dtype=x.dtype)[shift * row :].view(shift + x.shape[0], *x.shape[1:])
+    y[shift:] = x
+    return y, shift
+
+
+@pytest.fixture(name="beyond_int32")
+def beyond_int32_fixture():
+    return beyond_int32

@@ -277,6 +277,36 @@ def test_sparse_selection_matches_reference(dtype, first_page):
     sparse_case((2, 8, 2, 80, 16, 16, 5, 32), dtype, "cpu", first_page)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-pointers", "fp16-descriptors"])
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "top-k"])
+def test_pool_offsets_past_int32(beyond_int32, dtype, sparse):
+    """Pages at pool offsets past 2**31 elements give the same bits as at the pool's start. A
+    4,194,304-token step's device pool holds that many: at the Qwen2.5-1.5B shape, the 16 layers
+    whose pages `oomb plan` puts on the GPU are 16 x 32,736 slots x 2 KV heads x 128 x 128 = 17.2G
+    elements (the 7B at 1M: 20 x 8,160 x 4 x 128 x 128 = 10.7G), so every kernel must compute
+    slot * stride in 64 bits (a slot read from the int32 table times an int32 stride overflows). 16-bit pools take the forward's
+    and dQ's page tiles through tensor descriptors (int32 slot coordinates, no product), fp32 ones
+    through pointers; the dK/dV pages kernel reads and writes through pointers in both."""
+    b, h, n_kv, c, d, page_size, n_pages, block = 2, 8, 2, 40, 16, 16, 5, 32
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(b, h, n_kv, c, d, page_size, n_pages, dtype)
+    sel = random_selection(b, n_kv, -(-c // block), 3, n_pages) if sparse else None
+
+    def attend(kp, vp, dk, dv, table):
+        pages = LayerPages(kp, vp, dk, dv, table, 0, sel, block if sparse else 0)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = paged_attention_triton(*leaves, pages, SCALE)
+        o.backward(do)
+        return [o] + [x.grad for x in leaves] + [dk[table.long()], dv[table.long()]]
+
+    near = attend(kp, vp, dk0.clone(), dv0.clone(), table)
+    far = [beyond_int32(x) for x in (kp, vp, dk0, dv0)]
+    shift = far[0][1]  # the same for all four: their slots hold as many elements
+    assert (shift + n_pages) * kp[0].numel() > 2**31
+    got = attend(*(y for y, _ in far), table + shift)
+    for name, a, b in zip(("o", "dq", "dk", "dv", "dk pages", "dv pages"), near, got):
+        assert torch.equal(a, b), f"{name}: pages past 2**31 elements differ from the same pages at the start"
+
+
 def test_no_grad_pages_and_no_grad_mode():
     q, k, v, kp, vp, _, _, table, do = make_case(1, 4, 2, 17, 16, 16, 2, torch.float32)
     kp0, vp0 = kp.clone(), vp.clone()

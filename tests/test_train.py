@@ -97,6 +97,35 @@ def test_cli_plan_json():
     assert json.loads(out.stdout)["optimizer"] == plan["optimizer"] // 2  # 8-bit moments
 
 
+def test_cli_plan_4m_tokens_on_one_h200(capsys):
+    """Issue #37's step: 4,194,304 tokens of the Qwen2.5-1.5B shape, top-k 64, bf16 dK/dV, layers
+    recomputed, fit one H200 (139.8 GiB) with 110 GiB of pinned host memory; a name that is neither
+    a preset nor a directory is one error line (plan builds its config as train does: load_config)."""
+    main(["plan", "--model", "qwen2.5-1.5b", "--seq-len", "4M", "--offload", "auto", "--kv-grad-dtype", "bfloat16",
+          "--sparse-budget", "64", "--checkpoint-layers", "--host-memory", "110GiB"])
+    out = capsys.readouterr().out
+    assert "qwen2.5-1.5b: 1 x 4,194,304 tokens" in out and "of 139.8 GiB" in out and ": fits" in out
+    longest = int(out.rsplit("offload auto: ", 1)[1].split(" tokens")[0].replace(",", ""))
+    assert longest >= 4 * 2**20
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "qwen2.5-1.5", "--seq-len", "4M"])
+    assert "oomb plan: error: --model 'qwen2.5-1.5' is neither a preset nor a local checkpoint" in str(e.value)
+
+
+def test_qwen_presets_are_the_published_shapes():
+    """The Qwen2.5 presets build the published models' parameter counts (Qwen's model cards:
+    0.5B 0.49B, 1.5B 1.54B, 3B 3.09B, 7B 7.61B; the small ones tie the head to the embedding)."""
+    from oomb.plan import count_params
+    from oomb.presets import preset_config
+    sizes = {"qwen2.5-0.5b": 494_032_768, "qwen2.5-1.5b": 1_543_714_304, "qwen2.5-3b": 3_085_938_688,
+             "qwen2.5-7b": 7_615_616_512}
+    for name, n in sizes.items():
+        cfg = preset_config(name)
+        assert count_params(cfg) == n, name
+        assert cfg.rope_parameters["rope_theta"] == 1e6 and cfg.rms_norm_eps == 1e-6
+        assert cfg.tie_word_embeddings == (name != "qwen2.5-7b")
+
+
 def test_cli_eval(capsys):
     main(["eval", "--seq-len", "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu", "--json"])
     out = capsys.readouterr().out.strip().splitlines()

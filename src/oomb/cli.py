@@ -55,14 +55,12 @@ def parse_bytes(text: str) -> int:
 
 
 def cmd_plan(args) -> None:
-    from transformers import AutoConfig
-
     from .attention.sparse import TopKPages
     from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
-    from .presets import PRESETS, preset_config
+    from .presets import load_config
 
-    config = preset_config(args.model) if args.model in PRESETS else AutoConfig.from_pretrained(args.model)
+    config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
     trainable = lora_params(config, args.lora_rank, args.tp) if args.lora_rank else None
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights

@@ -420,10 +420,10 @@ def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, n_rows, row_elems, GATHER: tl.
     for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
         src = tl.zeros([], tl.int64) + r  # 64-bit offsets (the loop index is a plain int under the interpreter)
         dst = src
-        if GATHER:
-            src = tl.load(SrcRows + r)
+        if GATHER:  # row lists of any integer type: a host layer's arena passes 2**31 elements (7B, 4M tokens)
+            src = tl.load(SrcRows + r).to(tl.int64)
         if SCATTER:
-            dst = tl.load(DstRows + r)
+            dst = tl.load(DstRows + r).to(tl.int64)
         for start in range(0, row_elems, BLOCK):
             offs = start + tl.arange(0, BLOCK)
             mask = offs < row_elems
