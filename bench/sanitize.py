@@ -6,17 +6,19 @@
     TRITON_INTERPRET=1 python bench/sanitize.py --kernel forward,sparse    # children alone (CPU: interpreted)
 
 The parent checks that compute-sanitizer runs a CUDA program here, runs the children once without
-it (this compiles the Triton kernels into the cache the sanitized runs hit: compiling under the
-sanitizer is slow; what fails or does not apply is recorded, not sanitized), then runs
-`compute-sanitizer --tool T --error-exitcode 1 python bench/sanitize.py --kernel K` per kernel and
-tool, --jobs at once, within --timeout each and --budget-s in all; memcheck with PyTorch's caching
-allocator off (an access past a tensor then leaves its allocation). One row per (kernel, tool) in
---results; each run's output, and summary.log, in --log-dir.
+it (compiling Triton's kernels into the cache the sanitized runs hit: compiling under the sanitizer
+is slow; what fails or does not apply is recorded, not sanitized), then runs `compute-sanitizer
+--tool T --error-exitcode 1 python bench/sanitize.py --kernel K` per kernel and tool, --jobs at once,
+within --timeout each and --budget-s in all; memcheck with PyTorch's caching allocator off (an access
+past a tensor then leaves its allocation). One row per (kernel, tool) in --results; each run's output
+and summary.log in --log-dir. On the H200 (2026-12-02): warm-up 43 s, then 21 runs of 14-26 s, 94 s
+at --jobs 8.
 
-Kernels (a child builds small inputs, launches once, checks the results are finite): forward, backward
-(Triton's dK/dV and dQ kernels; Hopper's fused one off), hopper-backward (Gluon, sm_90), sparse
-(top-k), window-sinks (GPT-OSS, head_dim 64), gather (offload's zero-copy row kernel, pinned host
-<-> GPU) and dma (the same rows by the copy engines, memory/dma.py).
+Kernels (a child builds small inputs, launches once, checks the results are finite): forward,
+backward (Triton's dK/dV and dQ kernels, at a chunk Hopper's fused kernel does not take),
+hopper-backward (that Gluon kernel, sm_90), sparse (top-k), window-sinks (GPT-OSS, head_dim 64),
+gather (offload's zero-copy row kernel, pinned host <-> GPU) and dma (the same rows by the copy
+engines, memory/dma.py).
 """
 from __future__ import annotations
 
@@ -53,12 +55,14 @@ class Skip(Exception):
     """The kernel does not run on this device (the message says why)."""
 
 
-def case(dev, d=None, n_pages=3):
+def case(dev, d=None, c=None, n_pages=3):
     """q (B, H, C, D), k, v (B, Hkv, C, D) as transposed views (as the engine has them), K/V pools
     with spare slots (n_slots, Hkv, P, D), fp32 gradient pools, a shuffled table (B, n_pages) int32
-    and dO: the GPU's tiles (D 128, pages of 128, 2 query tiles of 128) or the interpreter's."""
+    and dO: the GPU's tiles (D 128, pages of 128, query tiles of 128: the second one partial) or
+    the interpreter's."""
     cuda = dev.type == "cuda"
-    b, h, n_kv, c, p = (1, 4, 2, 256, 128) if cuda else (1, 4, 2, 64, 16)
+    b, h, n_kv, p = (1, 4, 2, 128) if cuda else (1, 4, 2, 16)
+    c = c or (240 if cuda else 60)
     d, dtype = d or (128 if cuda else 16), torch.bfloat16 if cuda else torch.float16
     g = torch.Generator().manual_seed(0)
     rand = lambda *shape, dt=dtype: torch.randn(*shape, generator=g).to(dev, dt)  # noqa: E731
@@ -69,12 +73,11 @@ def case(dev, d=None, n_pages=3):
     return q, k, v, *pools, table, rand(b, h, c, d)
 
 
-def attention(dev, grad=True, sparse=False, window=False, sinks=False, d=None, hopper=True):
+def attention(dev, grad=True, sparse=False, window=False, sinks=False, d=None, c=None):
     """Paged attention over the case's pages through the autograd function (paged.forward; with
     grad paged.backward, which adds into the gradient pools). sparse: two query blocks, each
     attending 2 of the 3 pages (page 0, the sink, in both); window: over the last 1.5 pages."""
-    paged_hopper.ENABLED = hopper  # off: dense pages take the Triton backward on Hopper too
-    q, k, v, kp, vp, dkp, dvp, table, do = case(dev, d)
+    q, k, v, kp, vp, dkp, dvp, table, do = case(dev, d, c)
     p, block = kp.shape[2], 128 if dev.type == "cuda" else 32
     picks = torch.tensor([[0, 2], [0, 1]], dtype=torch.int32, device=dev).expand(1, 2, 2, 2).contiguous()
     pages = LayerPages(kp, vp, dkp if grad else None, dvp if grad else None, table, 0, picks if sparse else None,
@@ -88,12 +91,15 @@ def attention(dev, grad=True, sparse=False, window=False, sinks=False, d=None, h
     return [o, pages.dk, pages.dv, sink] + [x.grad for x in leaves]
 
 
-def hopper_backward(dev):
-    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 or not paged_hopper.AVAILABLE:
+def backward(dev, hopper: bool):
+    """Dense pages with gradients: on Hopper the Gluon kernel takes them when the chunk is a
+    multiple of its 64-query tiles (256 here), the Triton kernels when not (240)."""
+    if hopper and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 or not paged_hopper.AVAILABLE):
         raise Skip("the Gluon kernel needs a sm_90 GPU and Triton " + "/".join(paged_hopper.GLUON_TRITON))
-    q, _, _, kp, vp, dkp, dvp, table, _ = case(dev)
-    assert paged_hopper.eligible(q, LayerPages(kp, vp, dkp, dvp, table)), "these inputs take the Triton path"
-    return attention(dev)
+    q, _, _, kp, vp, dkp, dvp, table, _ = case(dev, c=256 if hopper else None)
+    taken = paged_hopper.eligible(q, LayerPages(kp, vp, dkp, dvp, table))
+    assert taken == hopper, f"these inputs take the {'Gluon' if taken else 'Triton'} path"
+    return attention(dev, c=256 if hopper else None)
 
 
 def round_trip(dev, move):
@@ -129,8 +135,8 @@ def dma(dev):
                                                                    stream.cuda_stream))
 
 
-KERNELS = {"forward": lambda dev: attention(dev, grad=False), "backward": lambda dev: attention(dev, hopper=False),
-           "hopper-backward": hopper_backward, "sparse": lambda dev: attention(dev, sparse=True),
+KERNELS = {"forward": lambda dev: attention(dev, grad=False), "backward": lambda dev: backward(dev, hopper=False),
+           "hopper-backward": lambda dev: backward(dev, hopper=True), "sparse": lambda dev: attention(dev, sparse=True),
            "window-sinks": lambda dev: attention(dev, window=True, sinks=True, d=64),  # GPT-OSS's sliding layers
            "gather": gather, "dma": dma}
 
@@ -203,9 +209,9 @@ def main() -> int:
     ap.add_argument("--kernel", help="child mode: run these kernels (comma-separated) once, no sanitizer")
     ap.add_argument("--kernels", default=",".join(KERNELS))
     ap.add_argument("--tools", default=",".join(TOOLS))
-    ap.add_argument("--jobs", type=int, default=6, help="sanitized runs at once (they share the GPU)")
+    ap.add_argument("--jobs", type=int, default=8, help="sanitized runs at once (they share the GPU)")
     ap.add_argument("--timeout", type=float, default=240, help="seconds per sanitized run")
-    ap.add_argument("--budget-s", type=float, default=450, help="no run starts after this many seconds")
+    ap.add_argument("--budget-s", type=float, default=420, help="no run starts after this many seconds")
     ap.add_argument("--results", default=os.path.join(HERE, "results", "sanitize.jsonl"))
     ap.add_argument("--log-dir", default=os.path.join(ROOT, "runs", "sanitize"))
     args = ap.parse_args()
