@@ -5,10 +5,10 @@ resident set and pinned GiB it writes to <out-dir>/metrics.jsonl after every ste
 one row per run to --results: the per-step series, each series' growth and the verdict.
 
     # H200, 1M tokens, top-k 64, offload auto with some layers' pages on the host (the trainer
-    # sees 32 GiB free: this process holds the rest of the GPU), ~10 steps in under 8 minutes:
+    # sees 32 GiB free: this process holds the rest of the GPU); a step estimated at 20-35 s:
     OOMB_COMMIT=<sha> python bench/soak.py --model qwen2.5-0.5b --seq-len 1M --sparse-budget 64 \\
         --offload auto --gpu-free-gib 32 --steps 10 --budget-s 420 --results $OUT/soak.jsonl
-    # H200, 256K dense, 20 steps:
+    # H200, 256K dense, 20 steps (head_dim 128: dense pages take Hopper's fused backward); ~5-10 s a step:
     OOMB_COMMIT=<sha> python bench/soak.py --model byte-lm-30m --seq-len 256K --offload none \\
         --steps 20 --budget-s 420 --results $OUT/soak.jsonl
     # CPU: the whole pipeline on the tiny preset (tests/test_soak.py)
