@@ -56,8 +56,8 @@ class StepLogger:
 
     def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
             memory: dict | None = None) -> None:
-        """memory: memory_now()'s figures after the step, recorded in metrics.jsonl (a soak run's
-        evidence that nothing grows from step to step)."""
+        """memory: memory_now()'s figures after the step (and the trainer's host_layers), recorded
+        in metrics.jsonl (a soak run's evidence that nothing grows from step to step: bench/soak.py)."""
         elapsed = time.perf_counter() - self.start
         eta = elapsed / step * (self.total_steps - step) if step else 0.0
         mem = peak_memory_gib(self.device)

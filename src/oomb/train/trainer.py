@@ -401,7 +401,8 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
                 logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
                            float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
-                           memory_now(device, engine.pinned_bytes()))
+                           # the layers whose pages offload put on the host: what a soak run exercised
+                           {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
             if bad >= cfg.max_bad_steps:
                 where = f"; the weights of step {step - bad} are in {save(step)}" if cfg.output_dir else ""
                 raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
