@@ -62,27 +62,27 @@ def _kernel(kind: str, sparse: bool) -> tuple:
     shape = dict(SHAPE, SPARSE=sparse)
     if kind == "fwd":
         cfg = paged._fwd_config(BF16_GPU_Q, 128)
-        desc = DESC.format(n=cfg["BLOCK_N"], d=128)
+        desc = DESC.format(n=cfg.BLOCK_N, d=128)
         ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KP=desc, VP=desc, Table="*i32", Sel="*i32", Span="*i32",
                     O="*fp32", LSE="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], INCLUDE_SELF=True, TMA=True)
-        return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        const = dict(shape, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, INCLUDE_SELF=True, TMA=True)
+        return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
-        desc = DESC.format(n=cfg["BLOCK_N2"], d=128) if KERNELS.dq_tma else "*bf16"
+        desc = DESC.format(n=cfg.BLOCK_N2, d=128) if KERNELS.dq_tma else "*bf16"
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP=desc,
                     VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=cfg["BLOCK_N2"], INCLUDE_SELF=True, TMA=KERNELS.dq_tma)
-        return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg["warps2"], num_stages=cfg["stages2"])
+        const = dict(shape, BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, INCLUDE_SELF=True, TMA=KERNELS.dq_tma)
+        return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg.warps2, num_stages=cfg.stages2)
     if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
-        const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"])
-        return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
-    qdesc = DESC.format(n=cfg["BLOCK_M1"], d=128) if KERNELS.dkdv_tma else "*bf16"
+        const = dict(shape, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1)
+        return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg.warps1, num_stages=cfg.stages1)
+    qdesc = DESC.format(n=cfg.BLOCK_M1, d=128) if KERNELS.dkdv_tma else "*bf16"
     ptrs = dict(Q=qdesc, DO=qdesc, LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
                 DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
-    const = dict(shape, BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], TMA=KERNELS.dkdv_tma)
-    return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])
+    const = dict(shape, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, TMA=KERNELS.dkdv_tma)
+    return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg.warps1, num_stages=cfg.stages1)
 
 
 def _compile_hopper(arch: int):

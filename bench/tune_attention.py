@@ -13,6 +13,7 @@ what the best pipeline depth is.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import os
 import sys
@@ -60,9 +61,9 @@ def main() -> None:
             continue
         for cfg in configs:
             if kind == "fwd":
-                paged._fwd_config = lambda q, d, cfg=cfg: cfg
+                paged._fwd_config = lambda q, d, cfg=cfg: paged.FwdTiles(**cfg)
             else:
-                paged._bwd_config = lambda q, d, cfg=cfg: {**default_bwd(q, d), **cfg}
+                paged._bwd_config = lambda q, d, cfg=cfg: dataclasses.replace(default_bwd(q, d), **cfg)
             row = {"kind": kind, "N": args.keys, "C": args.queries, "sparse_budget": args.sparse, "tma": KERNELS.tma,
                    "dq_tma": KERNELS.dq_tma, **cfg}
             try:

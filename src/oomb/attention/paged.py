@@ -32,6 +32,7 @@ through in PAGE_SIZE // BLOCK_N tiles).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -118,32 +119,56 @@ def _head_dim_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _fwd_config(q: torch.Tensor, head_dim: int) -> dict:
+@dataclass(frozen=True)
+class FwdTiles:
+    """The forward's launch: BLOCK_M queries held, BLOCK_N keys streamed, warps, pipeline stages."""
+
+    BLOCK_M: int
+    BLOCK_N: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class BwdTiles:
+    """The backward's launches. dK/dV kernels: BLOCK_N1 keys held, BLOCK_M1 queries streamed
+    (BLOCK_N1 % BLOCK_M1 == 0), warps1 warps, stages1 pipeline stages; dQ: BLOCK_M2 queries held,
+    BLOCK_N2 keys streamed (BLOCK_M2 % BLOCK_N2 == 0), warps2, stages2."""
+
+    BLOCK_M1: int
+    BLOCK_N1: int
+    warps1: int
+    stages1: int
+    BLOCK_M2: int
+    BLOCK_N2: int
+    warps2: int
+    stages2: int
+
+
+def _fwd_config(q: torch.Tensor, head_dim: int) -> FwdTiles:
     """Tile sizes: small ones for the interpreter; H100/H200 ones for D <= 128 in 16-bit."""
     if q.device.type != "cuda":
-        return dict(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
+        return FwdTiles(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32 or head_dim > 128:  # twice the bytes per tile: halve it
-        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+        return FwdTiles(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     # bench/tune_attention.py on an H200 (bf16, D=128, C=4096; bench/results/tune.jsonl, 2026-11-30),
     # page slots from registers (_slot_batch): 3 stages 549.9 TFLOP/s at 64K keys dense, 490.5 at
     # top-k 64 of 1M; 2 stages 442.6 / 437.8 (with slots loaded in the loop, 2 stages had been the
     # faster: 461.1 vs 448.5 dense). 4 stages are out of shared memory; 64-key tiles slower.
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    return FwdTiles(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
-def _bwd_config(q: torch.Tensor, head_dim: int) -> dict:
-    """dK/dV kernels: BLOCK_N1 keys held, BLOCK_M1 queries streamed (BLOCK_N1 % BLOCK_M1 == 0),
-    warps1 warps, stages1 pipeline stages; dQ: BLOCK_M2 queries held, BLOCK_N2 keys streamed
-    (BLOCK_M2 % BLOCK_N2 == 0), warps2, stages2."""
+def _bwd_config(q: torch.Tensor, head_dim: int) -> BwdTiles:
+    """BwdTiles: small ones for the interpreter; H100/H200 ones for D <= 128 in 16-bit."""
     if q.device.type != "cuda":
-        return dict(BLOCK_M1=16, BLOCK_N1=32, warps1=4, stages1=1, BLOCK_M2=32, BLOCK_N2=16, warps2=4, stages2=1)
+        return BwdTiles(BLOCK_M1=16, BLOCK_N1=32, warps1=4, stages1=1, BLOCK_M2=32, BLOCK_N2=16, warps2=4, stages2=1)
     if q.dtype == torch.float32 or head_dim > 128:
-        return dict(BLOCK_M1=16, BLOCK_N1=64, warps1=4, stages1=1, BLOCK_M2=64, BLOCK_N2=16, warps2=4, stages2=1)
+        return BwdTiles(BLOCK_M1=16, BLOCK_N1=64, warps1=4, stages1=1, BLOCK_M2=64, BLOCK_N2=16, warps2=4, stages2=1)
     # bench/tune_attention.py on an H200 (as _fwd_config): 362.9 TFLOP/s (2.5x fwd FLOPs); 64x64
     # tiles with 4 warps and 2 stages 373.0 in the sweep but slower in the step; 32-query tiles
     # 324.7 or less. With dQ's descriptor loop (dq_tma): 400.5 for these dQ settings, 401.5 with
     # 4 stages, 392.8 with 128-key tiles and 2 stages (3 and 4 do not fit shared memory).
-    return dict(BLOCK_M1=64, BLOCK_N1=128, warps1=8, stages1=3, BLOCK_M2=128, BLOCK_N2=64, warps2=8, stages2=3)
+    return BwdTiles(BLOCK_M1=64, BLOCK_N1=128, warps1=8, stages1=3, BLOCK_M2=128, BLOCK_N2=64, warps2=8, stages2=3)
 
 
 def _precision(q: torch.Tensor) -> str:
@@ -216,23 +241,23 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     n_kv = k.shape[1]
     page_size = pages.k.shape[2]
     cfg = _fwd_config(q, d)
-    block_n = min(cfg["BLOCK_N"], page_size)  # P % BLOCK_N == 0 (both powers of two)
+    block_n = min(cfg.BLOCK_N, page_size)  # P % BLOCK_N == 0 (both powers of two)
     o = torch.empty((b, h, c, d), dtype=o_dtype or q.dtype, device=q.device)
     lse = torch.empty((b, h, c), dtype=torch.float32, device=q.device)
     sp = _sparse_args(pages, c)
-    n_m = triton.cdiv(c, cfg["BLOCK_M"])
+    n_m = triton.cdiv(c, cfg.BLOCK_M)
     grid = (n_m * b * h,) if sp["SPARSE"] else (n_m, b * h)  # _fwd_program's launch orders
-    _check_blocks(sp, cfg["BLOCK_M"])
+    _check_blocks(sp, cfg.BLOCK_M)
     kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and pages.n_pages > 0)
     _paged_attn_fwd[grid](
         q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
         c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], *_window_args(pages),
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
         SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
-        num_warps=cfg["num_warps"],
-        num_stages=cfg["num_stages"],
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     return o, lse
 
@@ -283,7 +308,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     page_size = pages.k.shape[2]
     head_dim = _head_dim_block(d)
     cfg = _bwd_config(q, d)
-    launch1 = dict(num_warps=cfg["warps1"], num_stages=cfg["stages1"])  # the dK/dV kernels
+    launch1 = dict(num_warps=cfg.warps1, num_stages=cfg.stages1)  # the dK/dV kernels
     precision = _precision(q)
 
     delta = torch.empty_like(lse)  # (B, H, C) fp32
@@ -292,8 +317,8 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     )
 
     sp = _sparse_args(pages, c)
-    _check_blocks(sp, cfg["BLOCK_M1"])
-    _check_blocks(sp, cfg["BLOCK_M2"])
+    _check_blocks(sp, cfg.BLOCK_M1)
+    _check_blocks(sp, cfg.BLOCK_M2)
     # On Hopper, dense pages with gradients: dK/dV and the pages' dQ in one Gluon kernel (five tile
     # products, not seven); the dQ kernel below then runs over the chunk's own keys only.
     dq_pages = None
@@ -301,9 +326,9 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         dq_pages = paged_hopper.backward_pages(do, q, lse, delta, pages, scale)  # (B, H, C, D) fp32
     elif pages.dk is not None and pages.n_pages > 0:
         visits = _page_visits(pages)
-        block_n = min(cfg["BLOCK_N1"], page_size)  # no causal mask here: any BLOCK_M1 works
+        block_n = min(cfg.BLOCK_N1, page_size)  # no causal mask here: any BLOCK_M1 works
         grid = (pages.n_pages * (page_size // block_n) * b * n_kv,)
-        q_in, do_in, tma = _descriptors((q, do), cfg["BLOCK_M1"], d, kernels.tma and kernels.dkdv_tma)
+        q_in, do_in, tma = _descriptors((q, do), cfg.BLOCK_M1, d, kernels.tma and kernels.dkdv_tma)
         _paged_attn_bwd_dkdv_pages[grid](
             q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
             visits["Visits"], visits["NVisits"],
@@ -311,7 +336,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
             *_window_args(pages),
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
+            BLOCK_M=cfg.BLOCK_M1, BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
             WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
             TMA=tma, **launch1,
         )
@@ -322,12 +347,12 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         share = torch.float32 if group > 1 else k.dtype
         dk = torch.empty((b, h, c, d), dtype=share, device=k.device)
         dv = torch.empty((b, h, c, d), dtype=share, device=v.device)
-        _paged_attn_bwd_dkdv_own[(b * h, triton.cdiv(c, cfg["BLOCK_N1"]))](
+        _paged_attn_bwd_dkdv_own[(b * h, triton.cdiv(c, cfg.BLOCK_N1))](
             q, do, lse, delta, k, v, dk, dv,
             *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(),
             c, scale * RCP_LN2, scale, h, pages.window,
             GROUP=group, D=d, HEAD_DIM=head_dim,
-            BLOCK_M=cfg["BLOCK_M1"], BLOCK_N=cfg["BLOCK_N1"], IN_PRECISION=precision, WINDOWED=pages.window > 0,
+            BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, IN_PRECISION=precision, WINDOWED=pages.window > 0,
             **launch1,
         )
         if group > 1:
@@ -340,18 +365,18 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         return dq_pages.to(dq_dtype), dk, dv
     # (B, H, C, D); fp32 when the pages' share is added after (one rounding to dq_dtype)
     dq = torch.empty(q.shape, dtype=dq_dtype if dq_pages is None else torch.float32, device=q.device)
-    block_n = min(cfg["BLOCK_N2"], page_size)
+    block_n = min(cfg.BLOCK_N2, page_size)
     kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and kernels.dq_tma and n_pages > 0)
-    _paged_attn_bwd_dq[(triton.cdiv(c, cfg["BLOCK_M2"]), b * h)](
+    _paged_attn_bwd_dq[(triton.cdiv(c, cfg.BLOCK_M2), b * h)](
         q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
         *dq.stride(),
         c, n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
         *_window_args(pages),
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_M=cfg["BLOCK_M2"], BLOCK_N=block_n, IN_PRECISION=precision,
+        BLOCK_M=cfg.BLOCK_M2, BLOCK_N=block_n, IN_PRECISION=precision,
         INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
-        num_warps=cfg["warps2"], num_stages=cfg["stages2"],
+        num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     if dq_pages is not None:
         dq = dq.add_(dq_pages).to(dq_dtype)
