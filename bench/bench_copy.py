@@ -1,5 +1,5 @@
 """Host<->GPU page transfers: the zero-copy gather/scatter kernel that offload uses for sparse
-selections in stage 1 (`oomb.memory.offload.copy_rows`, scattered pinned-host rows), the copy
+selections in stage 1 (`oomb.memory.dma.copy_rows`, scattered pinned-host rows), the copy
 engines' batched copy it uses in stage 2 (`oomb.memory.dma`, one cuMemcpyBatchAsync per
 transfer) and `copy_` of a contiguous pinned range, in GB/s.
 
@@ -25,7 +25,7 @@ import torch
 
 from oomb.memory import offload
 from oomb.memory.dma import batch_copier, row_copies
-from oomb.memory.offload import copy_rows
+from oomb.memory.dma import copy_rows
 
 
 def gbps(fn, n_bytes: int, reps: int = 20) -> float:

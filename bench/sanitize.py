@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from oomb.attention import paged_attention, paged_hopper, single_group  # noqa: E402
 from oomb.memory.dma import batch_copier, row_copies  # noqa: E402
-from oomb.memory.offload import copy_rows  # noqa: E402
+from oomb.memory.dma import copy_rows  # noqa: E402
 from oomb.memory.pinned import empty_pinned  # noqa: E402
 from oomb.memory.spec import LayerPages  # noqa: E402
 

@@ -152,7 +152,7 @@ def test_touch_threads_share_the_cpus_between_local_ranks():
 def test_empty_pinned_on_the_gpu_machine():
     """Registered memory is pinned and mapped: asynchronous copies both ways, and a kernel that
     reads host memory directly (offload's row gather), give back the bytes."""
-    from oomb.memory.offload import copy_rows
+    from oomb.memory.dma import copy_rows
     from oomb.memory.pinned import empty_pinned
 
     host = empty_pinned((64, 1024), torch.bfloat16)
@@ -211,3 +211,36 @@ def test_batched_copies_on_the_gpu_machine():
     copy(*row_copies(doubled, None, back, rows), side.cuda_stream)
     side.synchronize()
     assert torch.equal(back[rows], host[rows] * 2) and back[[1, 2, 3, 4]].abs().sum() == 0
+
+
+def test_copy_rows_kernel_gathers_and_scatters():
+    """The zero-copy gather/scatter kernel (interpreter on CPU) against plain indexing, with fewer
+    programs than rows (each takes every programs-th row)."""
+    from oomb.memory import dma
+
+    src = torch.randn(10, 3, 5)
+    rows = torch.tensor([7, 2, 9, 2])
+    out = torch.zeros(4, 3, 5)
+    dma._copy_rows_kernel[(3,)](src, rows, out, rows, 4, 15, GATHER=True, SCATTER=False, BLOCK=8)
+    assert torch.equal(out, src[rows])
+    back = torch.zeros(10, 3, 5)
+    dma._copy_rows_kernel[(2,)](out, rows, back, rows[:3], 3, 15, GATHER=False, SCATTER=True, BLOCK=16)
+    assert torch.equal(back[rows[:3]], src[rows[:3]]) and back[[0, 1, 3]].abs().sum() == 0
+
+
+def test_copy_rows_kernel_past_int32(beyond_int32):
+    """Rows at offsets past 2**31 elements: a host layer's arena buffer holds max_pages * B rows of
+    Hkv * P * D elements (the 7B shape past 4,194,304 tokens: 32,768 x 4 x 128 x 128 = 2**31); the
+    kernel computes row * row_elems in 64 bits whatever the row lists' type (int32 here)."""
+    from oomb.memory import dma
+
+    src = torch.randn(10, 3, 5)
+    far, shift = beyond_int32(src)
+    rows = torch.tensor([7, 2, 9, 2], dtype=torch.int32)
+    out = torch.zeros(4, 3, 5)
+    dma._copy_rows_kernel[(3,)](far, rows + shift, out, rows, 4, 15, GATHER=True, SCATTER=False, BLOCK=8)
+    assert torch.equal(out, src[rows])
+    back, _ = beyond_int32(torch.zeros(10, 3, 5))
+    dma._copy_rows_kernel[(2,)](out, rows[:3], back, rows[:3] + shift, 3, 15, GATHER=False, SCATTER=True,
+                                BLOCK=16)
+    assert torch.equal(back[shift:][rows[:3]], src[rows[:3]]) and back[shift:][[0, 1, 3]].abs().sum() == 0

@@ -249,37 +249,6 @@ def test_stage1_interleaves_two_chunks_with_host_layers(monkeypatch, offload, dr
                      if interleaved else sequential)
 
 
-def test_copy_rows_kernel_gathers_and_scatters():
-    """The zero-copy gather/scatter kernel (interpreter on CPU) against plain indexing, with fewer
-    programs than rows (each takes every programs-th row)."""
-    from oomb.memory import offload
-    src = torch.randn(10, 3, 5)
-    rows = torch.tensor([7, 2, 9, 2])
-    out = torch.zeros(4, 3, 5)
-    offload._copy_rows_kernel[(3,)](src, rows, out, rows, 4, 15, GATHER=True, SCATTER=False, BLOCK=8)
-    assert torch.equal(out, src[rows])
-    back = torch.zeros(10, 3, 5)
-    offload._copy_rows_kernel[(2,)](out, rows, back, rows[:3], 3, 15, GATHER=False, SCATTER=True, BLOCK=16)
-    assert torch.equal(back[rows[:3]], src[rows[:3]]) and back[[0, 1, 3]].abs().sum() == 0
-
-
-def test_copy_rows_kernel_past_int32(beyond_int32):
-    """Rows at offsets past 2**31 elements: a host layer's arena buffer holds max_pages * B rows of
-    Hkv * P * D elements (the 7B shape past 4,194,304 tokens: 32,768 x 4 x 128 x 128 = 2**31); the
-    kernel computes row * row_elems in 64 bits whatever the row lists' type (int32 here)."""
-    from oomb.memory import offload
-    src = torch.randn(10, 3, 5)
-    far, shift = beyond_int32(src)
-    rows = torch.tensor([7, 2, 9, 2], dtype=torch.int32)
-    out = torch.zeros(4, 3, 5)
-    offload._copy_rows_kernel[(3,)](far, rows + shift, out, rows, 4, 15, GATHER=True, SCATTER=False, BLOCK=8)
-    assert torch.equal(out, src[rows])
-    back, _ = beyond_int32(torch.zeros(10, 3, 5))
-    offload._copy_rows_kernel[(2,)](out, rows[:3], back, rows[:3] + shift, 3, 15, GATHER=False, SCATTER=True,
-                                    BLOCK=16)
-    assert torch.equal(back[shift:][rows[:3]], src[rows[:3]]) and back[shift:][[0, 1, 3]].abs().sum() == 0
-
-
 def test_selection_prefers_the_matching_page():
     torch.manual_seed(0)
     k = torch.randn(1, 1, 6 * PAGE, 8)  # 6 pages, 1 KV head

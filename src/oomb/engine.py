@@ -33,7 +33,7 @@ from .memory.spec import PageSpec
 from .memory.store import PagedKVStore
 from .models import adapter_for
 from .config import EngineConfig
-from .memory.offload import available_host_bytes
+from .memory.pinned import available_host_bytes
 from .memory.spec import staging_bytes
 from .parallel import local_tensor
 from .placement import PlacementInput, human_bytes, place

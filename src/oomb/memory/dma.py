@@ -1,7 +1,7 @@
 """Scattered host<->GPU row copies on the copy engines: one driver call per transfer.
 
 A sparse selection's pages lie scattered over a host layer's arena. The zero-copy kernel
-(offload.copy_rows) gathers them from a row list that lives on the GPU, but each of its programs
+(copy_rows, below) gathers them from a row list that lives on the GPU, but each of its programs
 holds an SM while it waits on PCIe, and the one-wave GEMMs beside it then need a second wave
 (+9 to +61 %, H200, 2026-11-30, faca5b1..8dfc1fc). When the rows are known on the host (stage 2
 reads the selections stage 1 made), the copy engines can move them instead: each run of
@@ -19,6 +19,8 @@ import functools
 
 import numpy as np
 import torch
+import triton
+import triton.language as tl
 
 _SRC_ACCESS_ORDER_STREAM = 1  # CU_MEMCPY_SRC_ACCESS_ORDER_STREAM: read the source in stream order
 _PREFER_OVERLAP_WITH_COMPUTE = 1  # CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE
@@ -111,3 +113,53 @@ def row_copies(src: torch.Tensor, src_rows: np.ndarray | None, dst: torch.Tensor
     return (np.uint64(dst.data_ptr()) + dst_first * np.uint64(row_bytes),
             np.uint64(src.data_ptr()) + src_first * np.uint64(row_bytes),
             lengths.astype(np.uint64) * np.uint64(row_bytes))
+
+
+# Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block
+# (a whole SM's registers) cannot share the SM with it, so every program beyond what fills PCIe
+# keeps an SM from the compute a transfer is meant to overlap. 8 programs, each moving 32 KiB per
+# load, fill it (bench_copy.py on an H200: gather / scatter 49.4-51.1 / 51.9-52.3 GB/s at 8, 16
+# and 32 programs). 1M top-k step with every layer's pages on the host ('all'), 8 vs 32 programs:
+# float8 146.8 vs 155.1 s, bf16 169.8 vs 171.9 s (H200, 2026-11-30, 7e531eb).
+COPY_PROGRAMS = 8
+
+
+@triton.jit
+def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, n_rows, row_elems, GATHER: tl.constexpr, SCATTER: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    """Rows pid, pid + programs, ... of the copy."""
+    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        src = tl.zeros([], tl.int64) + r  # 64-bit offsets (the loop index is a plain int under the interpreter)
+        dst = src
+        if GATHER:  # row lists of any integer type: a host layer's arena passes 2**31 elements (7B, 4M tokens)
+            src = tl.load(SrcRows + r).to(tl.int64)
+        if SCATTER:
+            dst = tl.load(DstRows + r).to(tl.int64)
+        for start in range(0, row_elems, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < row_elems
+            tl.store(Dst + dst * row_elems + offs, tl.load(Src + src * row_elems + offs, mask=mask), mask=mask)
+
+
+def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tensor, dst_rows: torch.Tensor | None) -> None:
+    """dst[dst_rows[r]] = src[src_rows[r]] for every r (None: r itself), on the current stream.
+
+    src, dst: contiguous, rows along dim 0; one of them may be pinned host memory when the other
+    is on the GPU: the kernel then reads or writes the host directly (zero-copy through unified
+    addressing), so a gather of scattered host pages is one launch and needs no host sync.
+    On CPU it is plain indexing.
+    """
+    rows = src_rows if src_rows is not None else dst_rows
+    if not (src.is_cuda or dst.is_cuda):
+        if src_rows is None:
+            dst.index_copy_(0, dst_rows, src[: rows.numel()])
+        else:
+            dst[: rows.numel()] = src.index_select(0, src_rows)
+        return
+    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
+    row_elems = src[0].numel()
+    n_rows = rows.numel()
+    _copy_rows_kernel[(min(n_rows, COPY_PROGRAMS),)](src, src_rows if src_rows is not None else rows, dst,
+                                                     dst_rows if dst_rows is not None else rows, n_rows, row_elems,
+                                                     GATHER=src_rows is not None, SCATTER=dst_rows is not None,
+                                                     BLOCK=min(16384, triton.next_power_of_2(row_elems)), num_warps=4)

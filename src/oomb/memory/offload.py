@@ -45,10 +45,8 @@ from collections.abc import Callable
 
 import numpy as np
 import torch
-import triton
-import triton.language as tl
 
-from .dma import batch_copier, row_copies
+from .dma import batch_copier, copy_rows, row_copies
 from .pinned import empty_pinned
 from .spec import LayerPages, PageSpec, staged_slots, staging_bytes
 
@@ -402,65 +400,3 @@ class _HostGroups:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:
                 host._store_grads(buf, layer, (start, end), self.rows, self.host_rows)
-
-
-# Programs of a copy: each holds an SM slot while it waits on PCIe, and a compute kernel's block
-# (a whole SM's registers) cannot share the SM with it, so every program beyond what fills PCIe
-# keeps an SM from the compute a transfer is meant to overlap. 8 programs, each moving 32 KiB per
-# load, fill it (bench_copy.py on an H200: gather / scatter 49.4-51.1 / 51.9-52.3 GB/s at 8, 16
-# and 32 programs). 1M top-k step with every layer's pages on the host ('all'), 8 vs 32 programs:
-# float8 146.8 vs 155.1 s, bf16 169.8 vs 171.9 s (H200, 2026-11-30, 7e531eb).
-COPY_PROGRAMS = 8
-
-
-@triton.jit
-def _copy_rows_kernel(Src, SrcRows, Dst, DstRows, n_rows, row_elems, GATHER: tl.constexpr, SCATTER: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    """Rows pid, pid + programs, ... of the copy."""
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        src = tl.zeros([], tl.int64) + r  # 64-bit offsets (the loop index is a plain int under the interpreter)
-        dst = src
-        if GATHER:  # row lists of any integer type: a host layer's arena passes 2**31 elements (7B, 4M tokens)
-            src = tl.load(SrcRows + r).to(tl.int64)
-        if SCATTER:
-            dst = tl.load(DstRows + r).to(tl.int64)
-        for start in range(0, row_elems, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < row_elems
-            tl.store(Dst + dst * row_elems + offs, tl.load(Src + src * row_elems + offs, mask=mask), mask=mask)
-
-
-def copy_rows(src: torch.Tensor, src_rows: torch.Tensor | None, dst: torch.Tensor, dst_rows: torch.Tensor | None) -> None:
-    """dst[dst_rows[r]] = src[src_rows[r]] for every r (None: r itself), on the current stream.
-
-    src, dst: contiguous, rows along dim 0; one of them may be pinned host memory when the other
-    is on the GPU: the kernel then reads or writes the host directly (zero-copy through unified
-    addressing), so a gather of scattered host pages is one launch and needs no host sync.
-    On CPU it is plain indexing.
-    """
-    rows = src_rows if src_rows is not None else dst_rows
-    if not (src.is_cuda or dst.is_cuda):
-        if src_rows is None:
-            dst.index_copy_(0, dst_rows, src[: rows.numel()])
-        else:
-            dst[: rows.numel()] = src.index_select(0, src_rows)
-        return
-    assert src.is_contiguous() and dst.is_contiguous() and src.dtype == dst.dtype
-    row_elems = src[0].numel()
-    n_rows = rows.numel()
-    _copy_rows_kernel[(min(n_rows, COPY_PROGRAMS),)](src, src_rows if src_rows is not None else rows, dst,
-                                                     dst_rows if dst_rows is not None else rows, n_rows, row_elems,
-                                                     GATHER=src_rows is not None, SCATTER=dst_rows is not None,
-                                                     BLOCK=min(16384, triton.next_power_of_2(row_elems)), num_warps=4)
-
-
-def available_host_bytes() -> int:
-    """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 2**62  # unknown: do not refuse

@@ -71,3 +71,15 @@ def _unregister(cudart, ptr: int) -> None:
     # steps, with copies possibly still queued: wait for them first.
     torch.cuda.synchronize()
     cudart.cudaHostUnregister(ptr)
+
+
+def available_host_bytes() -> int:
+    """MemAvailable of /proc/meminfo (Linux): what can be allocated without swapping."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**62  # unknown: do not refuse
