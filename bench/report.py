@@ -29,7 +29,8 @@ PRESET_LAYERS = {"qwen2.5-7b": 28, "gpt-oss-20b": 24}
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "How to reproduce"]
+            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
+            "How to reproduce"]
 
 
 # --- rows -------------------------------------------------------------------------------------
@@ -710,6 +711,68 @@ def parallel_section(rows: list[dict]) -> str:
         "passes it finished (of n - 1 in stage 1 and n in stage 2).")
 
 
+# --- long runs and sanitizers ------------------------------------------------------------------
+
+SOAK_SERIES = [("gpu_alloc_gib", "GPU allocated"), ("gpu_reserved_gib", "GPU reserved"), ("host_rss_gib", "host RSS"),
+               ("pinned_gib", "pinned")]
+
+
+def select_soak(rows: list[dict]) -> list[dict]:
+    """soak.py rows on GPUs: the newest of each model, context and mode."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r.get("gpu", "cpu") != "cpu" and r.get("merged", True):
+            groups[(r["model"], r["seq_len"], r["mode"])].append(r)
+    return sorted((newest(g) for g in groups.values()), key=lambda r: (r["model"], r["seq_len"], r["mode"]))
+
+
+def select_sanitize(rows: list[dict]) -> list[dict]:
+    """sanitize.py rows on GPUs: the newest of each kernel and tool."""
+    groups = defaultdict(list)
+    for r in rows:
+        if r.get("gpu", "cpu") != "cpu" and r.get("merged", True):
+            groups[(r["kernel"], r["tool"])].append(r)
+    return sorted((newest(g) for g in groups.values()), key=lambda r: (r["kernel"], r["tool"]))
+
+
+def without_results(cmd: str) -> str:
+    """A bench command as it reproduces the row (its --results path was the run's own)."""
+    return re.sub(r" --results \S+", "", cmd)
+
+
+def growth(g: dict) -> str:
+    pct = f" ({g['growth_pct']:+.2f} %)" if g.get("growth_pct") is not None else ""
+    return f"{g['baseline_gib']:.2f}, {g['growth_gib']:+.3f}{pct}"
+
+
+def reliability_section(soak: list[dict], sanitize: list[dict]) -> str:
+    cmds, out = Commands(), []
+    for r in select_soak(soak):
+        median = sorted(r["step_s"])[len(r["step_s"]) // 2]
+        out.append([r["model"], tokens(r["seq_len"]), r["mode"], f"{r['steps']}", f"{median:.1f}",
+                    *(growth(r["growth"][k]) for k, _ in SOAK_SERIES), "flat" if r["flat"] else "**grows**",
+                    commit(r), day(r), cmds.ref(without_results(r["command"]))])
+    checks = []
+    for r in select_sanitize(sanitize):
+        found = r.get("hazards", r.get("errors", 0)) if r["tool"] == "racecheck" else r.get("errors", 0)
+        checks.append([r["kernel"], r["tool"], r["status"], f"{found}", r.get("summary", ""), commit(r), day(r),
+                       cmds.ref(f"python bench/sanitize.py --kernels {r['kernel']} --tools {r['tool']}")])
+    return section("soak or sanitizer", out + checks, cmds,
+        "Soak (`bench/soak.py`): `oomb train` for many steps, with the GPU's allocated and reserved memory and "
+        "the process's resident and pinned host memory recorded after every step. Each series' baseline is "
+        "its value after step 2; growth is the largest later value less the baseline (GiB, and % of the "
+        "baseline); flat is growth <= max(1 %, 0.01 GiB) in every series.",
+        table(["model", "context", "attention, offload", "steps", "median s / step",
+               *(f"{name} GiB (baseline, growth)" for _, name in SOAK_SERIES), "verdict", "commit", "date",
+               "command"], out) if out else "_No soak rows._",
+        "Sanitizers (`bench/sanitize.py`): compute-sanitizer's memcheck, racecheck and synccheck on each kernel "
+        "alone, at small shapes.",
+        table(["kernel", "tool", "status", "errors / hazards", "summary", "commit", "date", "command"], checks)
+        if checks else "_No sanitizer rows._",
+        "Rows: the newest soak row of each model, context and mode; the newest sanitizer row of each kernel and "
+        "tool.")
+
+
 # --- the page ---------------------------------------------------------------------------------
 
 REPRODUCE = """On a GPU machine, from the repository root (`PYTHONPATH=src`, or after `scripts/install.sh`). Each
@@ -734,6 +797,8 @@ python bench/tune_attention.py --keys 65536                              # the k
 python bench/kernel_ir.py                                                # (no GPU) which kernel loops Triton pipelines
 python bench/bench_copy.py                                               # host<->GPU page copies, GB/s
 python bench/bench_pin.py --gib 16                                       # pinning host memory, torch vs oomb
+python bench/soak.py --model byte-lm-30m --seq-len 256K --offload none --steps 20   # memory over 20 steps
+python bench/sanitize.py                                                 # compute-sanitizer on each kernel
 python bench/report.py                                                   # this page and its plots
 ```
 
@@ -773,7 +838,8 @@ def build(results: str, out_dir: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
-    steps, attention, parallel = (load(results, n) for n in ("step.jsonl", "attention.jsonl", "parallel.jsonl"))
+    steps, attention, parallel, soak, sanitize = (load(results, n) for n in (
+        "step.jsonl", "attention.jsonl", "parallel.jsonl", "soak.jsonl", "sanitize.jsonl"))
     os.makedirs(out_dir, exist_ok=True)
     modes = select_memory(steps)
     plot_modes(modes, "peak_gib", "peak GPU memory (GiB)", "GPU memory of one training step",
@@ -783,10 +849,11 @@ def build(results: str, out_dir: str) -> str:
     plot_1m_breakdown(select_topk(steps), os.path.join(out_dir, "step_1m_breakdown.png"))
     used = ([r for e in select_kernels(attention) for k, r in e.items() if isinstance(r, dict)]
             + [r for pair in select_dense_steps(steps) for r in pair if r] + [r for _, m in modes for r in m]
-            + select_topk(steps) + select_longest(steps) + select_gpt_oss(steps) + select_parallel(parallel))
+            + select_topk(steps) + select_longest(steps) + select_gpt_oss(steps) + select_parallel(parallel)
+            + select_soak(soak) + select_sanitize(sanitize))
     bodies = [kernels_section(attention), dense_step_section(steps), memory_section(steps), topk_section(steps),
               offload_section(steps), longest_section(steps), gpt_oss_section(steps), parallel_section(parallel),
-              REPRODUCE]
+              reliability_section(soak, sanitize), REPRODUCE]
     page = intro(used) + "\n\n" + "\n\n".join(f"## {title}\n\n{body}" for title, body in zip(SECTIONS, bodies)) + "\n"
     with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
         f.write(page)

@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
 
 HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "How to reproduce"]
+            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
+            "How to reproduce"]
 PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png"]
 MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
 K, M = 1024, 2**20
@@ -83,9 +84,26 @@ def sample_parallel():
              "peak_gib": 76.35}]
 
 
+def sample_soak():
+    flat = {"baseline_gib": 7.6, "max_gib": 7.6, "growth_gib": 0.0, "growth_pct": 0.0, "slope_gib_per_step": 0.0,
+            "ok": True}
+    return [{"bench": "soak", "model": "byte-lm-30m", "seq_len": 256 * K, "mode": "dense, offload none", "steps": 20,
+             "step_s": [21.3, 23.6, 22.6], "growth": {k: flat for k, _ in report.SOAK_SERIES}, "flat": True,
+             "command": "python bench/soak.py --model byte-lm-30m --seq-len 256K --steps 20 --results /x/soak.jsonl",
+             "commit": "a1b2c3d", "date": "2026-12-02T07:11:27+00:00", **MACHINE}]
+
+
+def sample_sanitize():
+    return [{"bench": "sanitize", "kernel": k, "tool": t, "status": "clean", "errors": 0, "hazards": 0,
+             "summary": "ERROR SUMMARY: 0 errors", "commit": "a1b2c3d", "date": "2026-12-02T07:04:54+00:00",
+             "command": f"compute-sanitizer --tool {t} python bench/sanitize.py --kernel {k}", **MACHINE}
+            for k in ("forward", "backward") for t in ("memcheck", "racecheck")]
+
+
 def write_results(path):
     path.mkdir()
-    for name, rows in (("step", sample_steps()), ("attention", sample_attention()), ("parallel", sample_parallel())):
+    for name, rows in (("step", sample_steps()), ("attention", sample_attention()), ("parallel", sample_parallel()),
+                       ("soak", sample_soak()), ("sanitize", sample_sanitize())):
         (path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -95,8 +113,10 @@ def sections(page: str) -> dict[str, str]:
 
 
 def table_rows(body: str) -> list[str]:
+    """Every table's data rows (not its header, the line before a |--- rule, nor the rule)."""
     lines = [line for line in body.splitlines() if line.startswith("|")]
-    return [line for line in lines[2:] if not line.startswith("|---")]  # after each table's header and rule
+    return [line for line, after in zip(lines, lines[1:] + [""])
+            if not line.startswith("|---") and not after.startswith("|---")]
 
 
 def test_report_writes_the_page_and_its_plots(tmp_path):
