@@ -2,7 +2,9 @@
 
 Two backends with one pair of functions, `forward(q, k, v, pages, scale, include_self)` and
 `backward(do, q, k, v, o, lse, pages, scale, include_self)`:
-  - "torch":  reference.py, plain PyTorch (CPU and CUDA; the oracle in tests);
+  - "torch":  cpu_flash.py, PyTorch's fused CPU flash attention, and for what it cannot
+              express (sparse, sliding windows, CUDA tensors) reference.py, plain PyTorch with
+              every score materialised: the oracle in tests;
   - "triton": paged.py, kernels that read pages in place and accumulate dK/dV into them.
 function.py runs either over the groups of a layer's pages, with autograd.
 """
@@ -15,7 +17,7 @@ import torch
 from .function import PagedAttention, PageGroups, attention_forward
 
 BACKENDS = ("torch", "triton", "auto")
-_MODULES = {"torch": "oomb.attention.reference", "triton": "oomb.attention.paged"}
+_MODULES = {"torch": "oomb.attention.cpu_flash", "triton": "oomb.attention.paged"}
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
