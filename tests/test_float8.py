@@ -90,9 +90,17 @@ def test_float8_training_runs(capsys):
     assert "float8 tensorwise layers" in capsys.readouterr().out
 
 
-def test_compiled_float8_layers_equal_eager():
+def test_compiled_float8_layers_equal_eager(monkeypatch):
     """compile_layers=True traces torchao's float8 matmuls into the layer pieces (Inductor, CPU
-    here): the same loss and gradients as eager float8 layers (measured 3e-6)."""
+    here): the same loss and gradients as eager float8 layers (measured 3e-6).
+
+    Attention runs in reference.py here, not the fused CPU path: the float8 backward casts dQ/dK/dV
+    to e5m2 (2 mantissa bits), where an fp32 rounding that moves an element across a boundary
+    moves it by a quarter; the fused path's roundings, fed the compiled pieces' slightly other
+    K/V, move the k_proj gradient by ~2e-2 (eager float8 alone: fused vs reference 1e-3)."""
+    from oomb.attention import cpu_flash
+
+    monkeypatch.setattr(cpu_flash, "ENABLED", False)
     ids = batch()
     runs = []
     for compiled in (False, True):
