@@ -3,9 +3,48 @@
 # torch that is already installed (a CUDA build on a GPU machine); otherwise takes torch 2.13.0,
 # which on the project's CPU machines is a local CPU build (an unpinned torch would download a
 # multi-GB CUDA build).
+#
+# Offline, with the dependencies installed, it installs without fetching anything: pip's default
+# build runs in an isolated environment into which it downloads setuptools. So the build uses
+# this Python's setuptools where it can build oomb (>= 70.1, or >= 68 with the wheel package);
+# else pip's isolated build (online); else, offline in a venv whose own setuptools is too old
+# (a Python 3.11 venv has ensurepip's 65.5, without wheel, below torch's own requirement), a new
+# enough setuptools from another site-packages directory of this Python (a --system-site-packages
+# venv sees the system's).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0"
-python3 -m pip install -q -e ".${extras}"
+install() { python3 -m pip install -q "$@" -e ".${extras}"; }
+
+can_build='
+import importlib.util, sys, setuptools
+v = tuple(int(x) for x in setuptools.__version__.split(".")[:2])
+sys.exit(not (v >= (70, 1) or (v >= (68, 0) and importlib.util.find_spec("wheel"))))'
+# The site-packages directory of this Python with the newest setuptools >= 70.1, if any.
+other_setuptools='
+import glob, os, site, sys
+found = []
+for d in site.getsitepackages():
+    for info in glob.glob(os.path.join(d, "setuptools-*.dist-info")):
+        v = tuple(int(x) for x in os.path.basename(info)[11:].split(".")[:2] if x.isdigit())
+        if v >= (70, 1):
+            found.append((v, d))
+if not found:
+    sys.exit(1)
+print(max(found)[1])'
+
+if python3 -c "$can_build" 2>/dev/null; then
+    install --no-build-isolation || install  # nothing to fetch
+elif ! install; then
+    site_dir=$(python3 -c "$other_setuptools") || {
+        echo "install.sh: pip could not fetch setuptools for the build (offline?), and this Python has no" \
+             "setuptools >= 70.1 to build with: run 'python3 -m pip install -U setuptools' once online" >&2
+        exit 1
+    }
+    # First on the path, its setuptools (and its metadata, which pip checks torch's requirement on)
+    # shadows the venv's own for this command only.
+    echo "install.sh: building with the setuptools in $site_dir" >&2
+    PYTHONPATH="$site_dir" install --no-build-isolation
+fi

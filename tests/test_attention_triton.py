@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 from oomb.attention import Backend, paged, paged_attention, reference, single_group  # noqa: E402
+from oomb.attention.function import PagedAttention  # noqa: E402
 from oomb.config import KernelOptions  # noqa: E402
 from oomb.memory.store import LayerPages, from_pages  # noqa: E402
 
@@ -27,7 +28,9 @@ def paged_attention_triton(q, k, v, pages, scale, kernels=None):
 
 
 def paged_attention_torch(q, k, v, pages, scale):
-    return paged_attention(q, k, v, single_group(pages), scale, "torch")
+    """The reference (reference.py, fp32 math) with autograd; not the torch backend, whose fused
+    CPU path is itself checked against it (test_attention_cpu.py)."""
+    return PagedAttention.apply(q, k, v, None, single_group(pages), scale, reference, None)
 
 
 def paged_attention_forward(q, k, v, pages, scale, kernels=None):

@@ -41,6 +41,17 @@ def test_bench_step_smoke(tmp_path):
     assert "stage1_s" not in rows[4]
 
 
+def test_bench_cpu_step_smoke(tmp_path):
+    out = tmp_path / "cpu_step.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_cpu_step.py"), "--impls", "oomb,oomb-reference,hf",
+           "--lengths", "512", "--chunk-size", "256", "--repeats", "1", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["impl"], r["chunk_size"]) for r in rows] == [("oomb", 256), ("oomb-reference", 256), ("hf", None)]
+    assert all(r["step_s"] > 0 and r["cpu_s"] > 0 and len(r["all_s"]) == 1 for r in rows)
+
+
 def test_bench_step_profiles_a_window_of_passes(tmp_path):
     """--profile-passes FIRST:COUNT records only some chunk passes (a sample of a long step)."""
     out, prof = tmp_path / "step.jsonl", tmp_path / "prof"

@@ -306,7 +306,7 @@ def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family
     """keep_attention=True: stage 2 takes each layer's output and LSE from stage 1 instead of
     computing the attention forward again (only the last chunk, which has no stage 1, computes
     it): loss and every gradient bitwise those of the default engine; nothing kept afterwards."""
-    from oomb.attention import paged, reference
+    from oomb.attention import cpu_flash, paged
 
     ids = random_batch(1, 160)
     results = {}
@@ -314,7 +314,7 @@ def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family
         model = make_model(family)
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, keep_attention=keep,
                                            **{"backend": "torch", **kwargs})
-        ops = paged if engine.backend.name == "triton" else reference
+        ops = paged if engine.backend.name == "triton" else cpu_flash
         calls = []
         real = ops.forward
         monkeypatch.setattr(ops, "forward", lambda *a, **k: calls.append(torch.is_grad_enabled()) or real(*a, **k))
@@ -340,7 +340,7 @@ def test_kept_attention_on_the_host(offload, monkeypatch):
     two, each entry in its own slot of one block (a wrong offset overlaps two entries), and stage
     2 skips exactly their attention forwards; loss and gradients bitwise those of keeping nothing. keep_attention=True with that budget is refused before any
     compute, naming what it needs."""
-    from oomb.attention import reference
+    from oomb.attention import cpu_flash
     from oomb.memory.kept import KeptAttention
 
     ids = random_batch(2, 160)  # 5 chunks: 4 stored
@@ -351,10 +351,10 @@ def test_kept_attention_on_the_host(offload, monkeypatch):
         engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload=offload,
                                            keep_attention=keep, kept_host_bytes=budget)
         calls = []
-        real = reference.forward
-        monkeypatch.setattr(reference, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real = cpu_flash.forward
+        monkeypatch.setattr(cpu_flash, "forward", lambda *a, **k: calls.append(1) or real(*a, **k))
         loss = engine.forward_backward(ids).loss
-        monkeypatch.setattr(reference, "forward", real)
+        monkeypatch.setattr(cpu_flash, "forward", real)
         results[keep] = (loss, {n: p.grad for n, p in model.named_parameters()}, len(calls))
     assert engine.kept.layers == (0, 1) and engine.kept.where == "host" and engine.keeps_attention
     assert engine.kept.arena_bytes == KeptAttention.host_bytes(8, entry) == 8 * entry and engine.kept.n_entries == 0

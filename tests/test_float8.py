@@ -92,13 +92,19 @@ def test_float8_training_runs(capsys):
 
 def test_compiled_float8_layers_equal_eager():
     """compile_layers=True traces torchao's float8 matmuls into the layer pieces (Inductor, CPU
-    here): the same loss and gradients as eager float8 layers (measured 3e-6)."""
+    here): the same loss and gradients as eager float8 layers (measured 3e-6).
+
+    Attention runs in reference.py here, not the fused CPU path: the float8 backward casts dQ/dK/dV
+    to e5m2 (2 mantissa bits), where an fp32 rounding that moves an element across a boundary
+    moves it by a quarter; the fused path's roundings, fed the compiled pieces' slightly other
+    K/V, move the k_proj gradient by ~2e-2 (eager float8 alone: fused vs reference 1e-3)."""
     ids = batch()
     runs = []
     for compiled in (False, True):
         model = make_model("qwen2")
         apply_float8(model)
-        runs.append(engine_grads(model, ids, chunk_size=64, compile_layers=compiled))
+        runs.append(engine_grads(model, ids, chunk_size=64, compile_layers=compiled,
+                                 kernels=oomb.KernelOptions(cpu_flash=False)))
     (loss0, g0), (loss1, g1) = runs
     assert rel_err(loss1, loss0) <= 1e-5
     worst = max(g0, key=lambda n: rel_err(g1[n], g0[n]))

@@ -29,9 +29,12 @@ def batch(b=2, t=200, seed=3):
     ("qwen3", "mean", "triton"),
 ])
 def test_budget_covering_all_pages_is_dense(family, representative, backend):
+    # Sparse groups run in reference.py; so does the dense run here (not the fused CPU path, whose
+    # fp32 rounding differs), so that the two agree to the last few bits.
     model = make_model(family)
     ids = batch()
-    _, dense_loss, dense = run(model, ids, None, backend)  # one group, as sparse attention reads its pages
+    # one group, as sparse attention reads its pages
+    _, dense_loss, dense = run(model, ids, None, backend, kernels=oomb.KernelOptions(cpu_flash=False))
     # 200 tokens in chunks of 4 pages: the last chunk has 12 earlier pages; budget 12 keeps all.
     cfg = oomb.TopKPages(budget=12, representative=representative, block_queries=32)
     _, loss, grads = run(model, ids, cfg, backend)
@@ -273,3 +276,21 @@ def test_block_queries_must_fit_the_kernel_tile():
     model = make_model("qwen2")
     with pytest.raises(ValueError, match=r"block_queries=16\) must be a multiple of the kernel's query tile 32"):
         run(model, batch(), oomb.TopKPages(budget=2, block_queries=16), "triton")
+
+
+def test_budget_above_256_needs_no_chunk_budget():
+    """chunk_budget defaults to max(256, budget): TopKPages(budget=300) is valid as written, and
+    selects among 300 of 400 pages (more than uint8 indexes: int16 picks); so does the trainer's
+    --sparse-budget 300 without --sparse-chunk-budget."""
+    from oomb.train.config import TrainConfig
+    from oomb.train.trainer import sparse_config
+
+    assert oomb.TopKPages(budget=8).chunk_budget == 256 and oomb.TopKPages(budget=300).chunk_budget == 300
+    assert oomb.TopKPages(budget=300, chunk_budget=320).chunk_budget == 320
+    cfg = oomb.TopKPages(budget=300, block_queries=4)
+    k = torch.randn(1, 1, 400 * 2, 8, generator=torch.Generator().manual_seed(0))  # 400 pages of 2 tokens
+    sel = select_pages(torch.randn(1, 2, 8, 8), page_representatives(k, 400, "mean"), cfg)
+    assert sel.pages.shape == (1, 300) and sel.blocks.shape == (1, 1, 2, 300) and sel.blocks.dtype == torch.int16
+    assert sel.logical()[..., 0].eq(0).all()  # the sink page, in every block
+    assert sparse_config(TrainConfig(sparse_budget=300)) == oomb.TopKPages(budget=300)
+    assert sparse_config(TrainConfig(sparse_budget=8)).chunk_budget == 256

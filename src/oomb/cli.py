@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--offload", choices=["none", "all", "auto"], default="auto",
                         help="where K/V pages live (auto: the GPU while they fit, then the host)")
     p_eval.add_argument("--sparse-budget", type=int, default=0, help="> 0: top-k sparse attention over this many pages")
-    p_eval.add_argument("--sparse-chunk-budget", type=int, default=256)
+    p_eval.add_argument("--sparse-chunk-budget", type=int, default=0, help="0: max(256, --sparse-budget)")
     p_eval.add_argument("--sparse-sink-pages", type=int, default=1)
     p_eval.add_argument("--sparse-representative", choices=["mean", "minmax"], default="mean")
     p_eval.add_argument("--sparse-dense-layers", default="", help="layers attending densely among top-k ones, e.g. -2,-1")

@@ -27,10 +27,11 @@ class KernelOptions:
     dkdv_tma: bool = True  # ... for the dK/dV pages kernel's query tiles (needs tma)
     gluon: bool = True  # on Hopper, dense pages' backward in the fused Gluon kernel (paged_hopper.py)
     copy_engines: bool = True  # host pages move by the driver's batched copy where it has one (memory/dma.py)
+    cpu_flash: bool = True  # the torch backend on the CPU attends through torch's fused op (attention/cpu_flash.py)
 
     #: the environment variables of `from_env`, for each field (0 turns the path off)
     ENV = {"tma": "OOMB_TMA", "dq_tma": "OOMB_DQ_TMA", "dkdv_tma": "OOMB_DKDV_TMA", "gluon": "OOMB_GLUON",
-           "copy_engines": "OOMB_DMA"}
+           "copy_engines": "OOMB_DMA", "cpu_flash": "OOMB_CPU_FLASH"}
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str]) -> "KernelOptions":

@@ -2,7 +2,9 @@
 
 Two backends with one pair of functions, `forward(q, k, v, pages, scale, include_self)` and
 `backward(do, q, k, v, o, lse, pages, scale, include_self)`:
-  - "torch":  reference.py, plain PyTorch (CPU and CUDA; the oracle in tests);
+  - "torch":  cpu_flash.py, PyTorch's fused CPU flash attention, and for what it cannot
+              express (sparse, sliding windows, CUDA tensors) reference.py, plain PyTorch with
+              every score materialised: the oracle in tests;
   - "triton": paged.py, kernels that read pages in place and accumulate dK/dV into them.
 function.py runs either over the groups of a layer's pages, with autograd. `Backend` is one of
 them with the kernel options it runs with (oomb.KernelOptions).
@@ -18,13 +20,13 @@ import torch
 from .function import PagedAttention, PageGroups, attention_forward
 
 BACKENDS = ("torch", "triton", "auto")
-_MODULES = {"torch": "oomb.attention.reference", "triton": "oomb.attention.paged"}
+_MODULES = {"torch": "oomb.attention.cpu_flash", "triton": "oomb.attention.paged"}
 
 
 @dataclass(frozen=True)
 class Backend:
     """A backend's `forward` / `backward` (function.py's ops), run with `kernels` (an
-    oomb.KernelOptions, or None: every fast path on). The torch backend takes no options."""
+    oomb.KernelOptions, or None: every fast path on)."""
 
     name: str
     kernels: Any = None
@@ -38,14 +40,10 @@ class Backend:
         return importlib.import_module(_MODULES[self.name])
 
     def forward(self, q, k, v, pages, scale: float, include_self: bool = True):
-        if self.name == "triton":
-            return self._ops.forward(q, k, v, pages, scale, include_self, kernels=self.kernels)
-        return self._ops.forward(q, k, v, pages, scale, include_self)
+        return self._ops.forward(q, k, v, pages, scale, include_self, kernels=self.kernels)
 
     def backward(self, do, q, k, v, o, lse, pages, scale: float, include_self: bool = True):
-        if self.name == "triton":
-            return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self, kernels=self.kernels)
-        return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self)
+        return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self, kernels=self.kernels)
 
     def __str__(self) -> str:
         return self.name

@@ -1,4 +1,5 @@
-"""Paged attention in plain PyTorch: the oracle for the Triton kernels and the CPU backend.
+"""Paged attention in plain PyTorch: the oracle for the Triton kernels and the CPU backend's fused
+path (cpu_flash.py), and that backend for what its fused op cannot express.
 
 A chunk's queries attend to every key of a group of earlier pages and (for the first group)
 causally to the chunk's own keys. The pages are gathered into contiguous tensors, the math is
@@ -91,14 +92,14 @@ def backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self:
     dk_all = torch.matmul(ds.transpose(-1, -2), q.float().reshape(b, n_kv, -1, d)) * scale
     n_paged = pages.n_pages * pages.k.shape[2]
     if pages.dk is not None and pages.n_pages > 0:
-        _accumulate(pages.dk, pages.table.long(), dk_all[:, :, :n_paged])
-        _accumulate(pages.dv, pages.table.long(), dv_all[:, :, :n_paged])
+        accumulate_pages(pages.dk, pages.table.long(), dk_all[:, :, :n_paged])
+        accumulate_pages(pages.dv, pages.table.long(), dv_all[:, :, :n_paged])
     if not include_self:
         return dq, None, None
     return dq, dk_all[:, :, n_paged:].to(k.dtype), dv_all[:, :, n_paged:].to(v.dtype)
 
 
-def _accumulate(dst: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:
+def accumulate_pages(dst: torch.Tensor, slots: torch.Tensor, grad: torch.Tensor) -> None:
     # Slots are unique, so a gather-add-scatter is exact and deterministic (no atomics).
     n_pages = slots.shape[1]
     dst[slots] = dst[slots] + to_pages(grad, n_pages).to(dst.dtype)

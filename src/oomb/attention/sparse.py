@@ -30,13 +30,16 @@ class TopKPages:
     sink_pages: int = 1  # the first pages, always attended (attention sinks)
     representative: str = "mean"  # 'mean' (MoBA) or 'minmax' (Quest)
     block_queries: int = 128  # queries that share one selection
-    chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves), >= budget
+    # pages one chunk's blocks choose from (and offload moves), >= budget; None: max(256, budget)
+    chunk_budget: int | None = None
     # Layers that attend densely among the top-k ones (negative: from the last layer, -1 the last).
     # Sparse training is known to hurt when only the last tokens carry loss (fine-tuning on long
     # prompts); a few dense last layers are the published fix.
     dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.chunk_budget is None and isinstance(self.budget, int):  # frozen: set through object
+            object.__setattr__(self, "chunk_budget", max(256, self.budget))
         for name in ("budget", "block_queries", "chunk_budget"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

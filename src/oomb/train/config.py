@@ -39,7 +39,7 @@ class TrainConfig:
     kept_host_gib: float | None = None  # host memory the kept outputs may pin (default: half of what is free)
     checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
-    sparse_chunk_budget: int = 256  # pages one chunk's blocks choose from (and offload moves)
+    sparse_chunk_budget: int = 0  # pages one chunk's blocks choose from (and offload moves); 0: max(256, budget)
     sparse_sink_pages: int = 1  # the first pages every query block attends
     sparse_representative: str = "mean"  # mean | minmax: how a page is scored against a query block
     sparse_dense_layers: str = ""  # layers that attend densely among the top-k ones, e.g. "-2,-1" (the last two)
@@ -101,7 +101,7 @@ class TrainConfig:
         for name, value, low in checks:
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
-        if self.sparse_budget and self.sparse_chunk_budget < self.sparse_budget:
+        if self.sparse_budget and 0 < self.sparse_chunk_budget < self.sparse_budget:
             raise ValueError(f"sparse_chunk_budget={self.sparse_chunk_budget} must be >= sparse_budget="
                              f"{self.sparse_budget}")
         if self.needle_rate < 0 or self.needle_rate > 1:

@@ -74,10 +74,12 @@ def engine_config(cfg, kernels: KernelOptions | None = None, **extra) -> EngineC
 
 def sparse_config(cfg) -> TopKPages | None:
     """TopKPages from the sparse_* settings of a TrainConfig or of `oomb eval`'s flags (a chunk
-    budget below the budget is raised to it; TrainConfig refuses one before this)."""
+    budget of 0 is TopKPages' default, max(256, budget); one below the budget is raised to it;
+    TrainConfig refuses one before this)."""
     if not cfg.sparse_budget:
         return None
-    return TopKPages(budget=cfg.sparse_budget, chunk_budget=max(cfg.sparse_chunk_budget, cfg.sparse_budget),
+    chunk_budget = max(cfg.sparse_chunk_budget, cfg.sparse_budget) if cfg.sparse_chunk_budget else None
+    return TopKPages(budget=cfg.sparse_budget, chunk_budget=chunk_budget,
                      sink_pages=cfg.sparse_sink_pages, representative=cfg.sparse_representative,
                      dense_layers=parse_layers(cfg.sparse_dense_layers))
 
