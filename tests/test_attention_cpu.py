@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from oomb.attention import cpu_flash, reference
-from oomb.config import KernelOptions
 from oomb.attention.function import PagedAttention
+from oomb.config import KernelOptions
 from oomb.memory.spec import LayerPages
 from oomb.memory.store import from_pages
+from test_attention_triton import CASES, scatter_pool  # (B, H, Hkv, C, D, P, n_pages) shapes; pools + grads
 
 SCALE = 0.3
 pytestmark = pytest.mark.skipif(cpu_flash.fused_ops() is None, reason="this torch has no CPU flash attention op")
@@ -74,27 +75,6 @@ def run(module, q, k, v, kp, vp, dk0, dv0, table, do, include_self):
     o, lse = module.forward(q, k, v, pages, SCALE, include_self)
     dq, dk, dv = module.backward(do, q, k, v, o.to(q.dtype), lse, pages, SCALE, include_self)
     return o, lse, dq, dk, dv, pages.dk, pages.dv
-
-
-def scatter_pool(pool0, table, grad):
-    """pool0 (n_slots, Hkv, P, D) + grad (B, Hkv, n*P, D) at the table's slots, float64."""
-    out = pool0.double().clone()
-    n_pages = table.shape[1]
-    if n_pages:
-        b, n_kv, _, d = grad.shape
-        out[table.long()] += grad.reshape(b, n_kv, n_pages, -1, d).transpose(1, 2)
-    return out
-
-
-# (B, H, Hkv, C, D, P, n_pages): GQA 1/4/7, C 1/17/40/97, D 16/24/32, P 16/32, 0/1/3/5 pages.
-CASES = [
-    (1, 2, 2, 1, 16, 16, 0),
-    (2, 8, 2, 17, 32, 16, 1),
-    (1, 7, 1, 40, 24, 32, 5),
-    (1, 2, 2, 97, 16, 32, 3),
-    (2, 7, 1, 17, 24, 16, 0),
-    (1, 8, 2, 1, 32, 32, 5),
-]
 
 
 @pytest.mark.parametrize("include_self", [True, False], ids=["with_chunk", "pages_only"])
