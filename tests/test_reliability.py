@@ -21,7 +21,7 @@ ARGS = ["--steps", "6", "--seq-len", "1024", "--chunk-size", "256", "--page-size
 
 
 def cli(*args):
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
     return subprocess.Popen([sys.executable, "-m", "oomb.cli", "train", *args], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
@@ -34,7 +34,8 @@ def losses(output_dir) -> dict:
 def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted_one(tmp_path):
     """A real SIGTERM after two logged steps: the step in progress is abandoned, the last finished
     one checkpointed, exit 143 with the command to resume; resumed to the end, every step's loss
-    equals the uninterrupted run's, bit for bit."""
+    equals the uninterrupted run's, bit for bit (the runs have one thread each: with two, on a busy
+    2-core machine, CPU reductions were seen to round differently from one process to another)."""
     run = cli(*ARGS, "--output-dir", str(tmp_path / "run"))
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.time() + 120
