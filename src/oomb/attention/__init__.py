@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .function import PagedAttention, PageGroups, attention_forward
+from .options import KernelOptions
 
 BACKENDS = ("torch", "triton", "auto")
 _MODULES = {"torch": "oomb.attention.cpu_flash", "triton": "oomb.attention.paged"}
@@ -29,7 +29,7 @@ class Backend:
     oomb.KernelOptions, or None: every fast path on)."""
 
     name: str
-    kernels: Any = None
+    kernels: KernelOptions | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _MODULES:
@@ -49,7 +49,7 @@ class Backend:
         return self.name
 
 
-def resolve_backend(backend: str, device: torch.device, kernels=None) -> Backend:
+def resolve_backend(backend: str, device: torch.device, kernels: KernelOptions | None = None) -> Backend:
     """The backend `backend` names ('auto': triton on CUDA, torch elsewhere) with `kernels`."""
     if backend not in BACKENDS:
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; 'auto' picks triton on CUDA, torch elsewhere")

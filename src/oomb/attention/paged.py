@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 
 import torch
 import triton
@@ -41,6 +40,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from ..memory.spec import LayerPages
 from . import paged_hopper
+from .options import KernelOptions
 from .paged_backward import (_paged_attn_bwd_dkdv_own, _paged_attn_bwd_dkdv_pages, _paged_attn_bwd_dq,
                              _paged_attn_bwd_preprocess)
 from .paged_forward import _paged_attn_fwd
@@ -54,7 +54,7 @@ GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of the dK/dV pag
 # kernel its query tiles (Q, dO): 2-4 % faster (H200, 2026-11-30, e32e5de..ac5ede3; docs/experiments.md).
 # KernelOptions(tma=False) turns all off, dq_tma=False the dQ kernel's (pointer loads, its page slots
 # in the loop), dkdv_tma=False the dK/dV kernel's.
-ALL_ON = SimpleNamespace(tma=True, dq_tma=True, dkdv_tma=True, gluon=True)  # KernelOptions' defaults
+DEFAULT_KERNELS = KernelOptions()
 # Pages whose pool slots a forward program loads at once, into registers, before looping over
 # their key tiles (_slot_batch).
 SLOT_BATCH = 64
@@ -235,7 +235,7 @@ def _page_visits(pages: LayerPages) -> dict:
 
 def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True, o_dtype=None, kernels=None):
     """o (B, H, C, D) in o_dtype (default q's) and the base-2 lse (B, H, C) fp32."""
-    kernels = kernels or ALL_ON
+    kernels = kernels or DEFAULT_KERNELS
     _check(q, k, v, pages)
     b, h, c, d = q.shape
     n_kv = k.shape[1]
@@ -299,7 +299,7 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
               kernels=None):
     """dq (dq_dtype, default q's), dk, dv of the chunk (None without include_self); adds the
     pages' gradient into pages.dk/dv. lse is base 2, as _forward returns it."""
-    kernels = kernels or ALL_ON
+    kernels = kernels or DEFAULT_KERNELS
     _check(q, k, v, pages)
     _check_backward(do, q, o, lse)
     b, h, c, d = q.shape

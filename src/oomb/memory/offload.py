@@ -64,7 +64,7 @@ class HostPages:
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
         # the copy engines' batched copy, if the driver has it (else the zero-copy kernel, copy_rows)
         self.dma = batch_copier() if self.cuda and copy_engines else None
-        self.copy_engines, self.local_ranks = copy_engines, local_ranks
+        self.local_ranks = local_ranks
         self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
         self.batch = self.max_pages = 0
         self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
