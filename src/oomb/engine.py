@@ -26,15 +26,14 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import attention_with_lse, paged_attention, resolve_backend
-from .attention.sparse import Selection, TopKPages, select_pages
+from .attention.sparse import Selection, select_pages
+from .config import EngineConfig
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
 from .memory.kept import KeptAttention
-from .memory.spec import PageSpec
+from .memory.pinned import available_host_bytes
+from .memory.spec import PageSpec, staging_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .config import EngineConfig
-from .memory.pinned import available_host_bytes
-from .memory.spec import staging_bytes
 from .parallel import local_tensor
 from .placement import PlacementInput, human_bytes, place
 from .plan import GPU_MARGIN_BYTES, kept_attention_bytes, plan
@@ -417,10 +416,8 @@ class ChunkRecurrentEngine:
         full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
         self.store.place(full[decision.device_layers:])
         kept = self._kept_order(training, max_pages)[: decision.kept]
-        a = self.adapter
-        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // self.config.pages_per_chunk,
-                             (batch, heads, self.chunk_size, a.head_dim), self.spec.dtype)
+                             (batch, self._query_heads, self.chunk_size, self.adapter.head_dim), self.spec.dtype)
         if x.kept_host_budget is not None and self.config.kept_host_bytes is None:
             self._kept_host_budget = x.kept_host_budget  # the first step's, kept
         self._check_memory(batch, max_pages, decision.host_layers * x.layer_bytes)
@@ -435,8 +432,8 @@ class ChunkRecurrentEngine:
         if cuda and self._gpu_room is None:
             self._gpu_room = self._headroom()
         kept = self._kept_order(training, max_pages)
-        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
-        entry = KeptAttention.entry_bytes(batch, cfg.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
+        entry = KeptAttention.entry_bytes(batch, cfg.chunk_size, self._query_heads, a.head_dim,
+                                          self.spec.dtype.itemsize)
         windows = sum(store.kept(i, cfg.pages_per_chunk) for i in store.tail_pages)
         pages = PlacementInput(
             offload=cfg.offload, full_layers=a.n_layers - len(store.tail_pages),
@@ -473,8 +470,7 @@ class ChunkRecurrentEngine:
     def _free_host_budget(self, host_pages: int) -> int:
         """Host bytes kept attention outputs may pin by default: half of what is free besides the
         step's `host_pages` less a margin, shared among the processes of this machine."""
-        pinned = self.kept.arena_bytes + self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
-        free = max(0, available_host_bytes() + pinned - host_pages - HOST_MARGIN_BYTES)
+        free = max(0, available_host_bytes() + self.pinned_bytes() - host_pages - HOST_MARGIN_BYTES)
         return free // (2 * self.config.local_world_size)
 
     def _headroom(self) -> int:
@@ -540,10 +536,15 @@ class ChunkRecurrentEngine:
         """What keeping the attention outputs and LSEs of n_layers (default: every layer but the
         last) takes (this rank's query heads)."""
         a = self.adapter
-        heads = a.local_kv_heads * (a.n_heads // a.n_kv_heads)
         n_layers = a.n_layers - 1 if n_layers is None else n_layers
         return kept_attention_bytes(max_pages // self.config.pages_per_chunk, n_layers, batch,
-                                    self.chunk_size, heads, a.head_dim, self.spec.dtype.itemsize)
+                                    self.chunk_size, self._query_heads, a.head_dim, self.spec.dtype.itemsize)
+
+    @property
+    def _query_heads(self) -> int:
+        """This rank's query heads (all of them without tensor parallelism)."""
+        a = self.adapter
+        return a.local_kv_heads * (a.n_heads // a.n_kv_heads)
 
     # -- helpers ------------------------------------------------------------------------------
 
