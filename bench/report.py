@@ -89,6 +89,14 @@ def newest(rows: list[dict]) -> dict:
     return max(rows, key=lambda r: r["date"])
 
 
+def newest_each(rows, key) -> list[dict]:
+    """The newest row of each group of `rows` with the same key(row)."""
+    groups = defaultdict(list)
+    for r in rows:
+        groups[key(r)].append(r)
+    return [newest(g) for g in groups.values()]
+
+
 # --- formatting -------------------------------------------------------------------------------
 
 def tokens(n: int) -> str:
@@ -474,10 +482,7 @@ def select_topk(rows: list[dict]) -> list[dict]:
     rows = [r for r in step_rows(rows) if r["impl"] in order and r.get("model", "qwen2.5-7b") == "qwen2.5-7b"
             and r.get("layers") == 28 and r.get("chunk_size") == 4096 and r.get("page_budget_gib") is None
             and r.get("param_grad_dtype") != "fp32"]
-    groups = defaultdict(list)
-    for r in rows:
-        groups[(topk_label(r), r["seq_len"])].append(r)
-    picked = [newest(g) for g in groups.values()]
+    picked = newest_each(rows, lambda r: (topk_label(r), r["seq_len"]))
     return sorted(picked, key=lambda r: (order.index(r["impl"]), bool(r.get("checkpoint_layers")),
                                          r.get("lora_rank") or 0, r.get("float8", "none"), kept(r), r["seq_len"]))
 
@@ -630,11 +635,9 @@ def longest_section(rows: list[dict]) -> str:
 
 def select_gpt_oss(rows: list[dict]) -> list[dict]:
     """GPT-OSS-20B steps: the newest row of each implementation and settings at each context."""
-    groups = defaultdict(list)
-    for r in step_rows(rows):
-        if r.get("model") == "gpt-oss-20b":
-            groups[(r["impl"], step_settings(r), r["seq_len"])].append(r)
-    return sorted((newest(g) for g in groups.values()), key=lambda r: (r["impl"], r["seq_len"]))
+    rows = [r for r in step_rows(rows) if r.get("model") == "gpt-oss-20b"]
+    return sorted(newest_each(rows, lambda r: (r["impl"], step_settings(r), r["seq_len"])),
+                  key=lambda r: (r["impl"], r["seq_len"]))
 
 
 def gpt_oss_section(rows: list[dict]) -> str:
@@ -656,11 +659,8 @@ def gpt_oss_section(rows: list[dict]) -> str:
 def select_parallel(rows: list[dict]) -> list[dict]:
     """bench_parallel.py rows on GPUs: the newest of each (attention, model, GPUs, TP, context);
     steps that a time limit cut are kept, with the passes they finished."""
-    groups = defaultdict(list)
-    for r in rows:
-        if shipped(r, PARALLEL_IMPLS.__contains__):
-            groups[(r["impl"], r["model"], r["layers"], r["world"], r["tp"], r["seq_len"])].append(r)
-    return sorted((newest(g) for g in groups.values()),
+    rows = [r for r in rows if shipped(r, PARALLEL_IMPLS.__contains__)]
+    return sorted(newest_each(rows, lambda r: (r["impl"], r["model"], r["layers"], r["world"], r["tp"], r["seq_len"])),
                   key=lambda r: (r["impl"] != "sparse", r["seq_len"], r["tp"], r["world"]))
 
 
@@ -717,22 +717,21 @@ SOAK_SERIES = [("gpu_alloc_gib", "GPU allocated"), ("gpu_reserved_gib", "GPU res
                ("pinned_gib", "pinned")]
 
 
+def on_gpu(rows: list[dict]) -> list[dict]:
+    """Rows measured on a GPU from a commit of the main line."""
+    return [r for r in rows if r.get("gpu", "cpu") != "cpu" and r.get("merged", True)]
+
+
 def select_soak(rows: list[dict]) -> list[dict]:
     """soak.py rows on GPUs: the newest of each model, context and mode."""
-    groups = defaultdict(list)
-    for r in rows:
-        if r.get("gpu", "cpu") != "cpu" and r.get("merged", True):
-            groups[(r["model"], r["seq_len"], r["mode"])].append(r)
-    return sorted((newest(g) for g in groups.values()), key=lambda r: (r["model"], r["seq_len"], r["mode"]))
+    key = lambda r: (r["model"], r["seq_len"], r["mode"])  # noqa: E731
+    return sorted(newest_each(on_gpu(rows), key), key=key)
 
 
 def select_sanitize(rows: list[dict]) -> list[dict]:
     """sanitize.py rows on GPUs: the newest of each kernel and tool."""
-    groups = defaultdict(list)
-    for r in rows:
-        if r.get("gpu", "cpu") != "cpu" and r.get("merged", True):
-            groups[(r["kernel"], r["tool"])].append(r)
-    return sorted((newest(g) for g in groups.values()), key=lambda r: (r["kernel"], r["tool"]))
+    key = lambda r: (r["kernel"], r["tool"])  # noqa: E731
+    return sorted(newest_each(on_gpu(rows), key), key=key)
 
 
 def without_results(cmd: str) -> str:
