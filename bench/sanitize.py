@@ -17,7 +17,7 @@ at --jobs 8.
 Kernels (a child builds small inputs, launches once, checks the results are finite): forward,
 backward (Triton's dK/dV and dQ kernels, at a chunk Hopper's fused kernel does not take),
 hopper-backward (that Gluon kernel, sm_90), sparse (top-k), window-sinks (GPT-OSS, head_dim 64),
-gather (offload's zero-copy row kernel, pinned host <-> GPU) and dma (the same rows by the copy
+gather (the zero-copy row kernel, pinned host <-> GPU) and dma (the same rows by the copy
 engines, memory/dma.py).
 """
 from __future__ import annotations
@@ -39,8 +39,7 @@ sys.path.insert(0, os.path.join(ROOT, "src"))  # this tree's oomb
 import torch  # noqa: E402
 
 from oomb.attention import paged_attention, paged_hopper, single_group  # noqa: E402
-from oomb.memory.dma import batch_copier, row_copies  # noqa: E402
-from oomb.memory.dma import copy_rows  # noqa: E402
+from oomb.memory.dma import batch_copier, copy_rows, row_copies  # noqa: E402
 from oomb.memory.pinned import empty_pinned  # noqa: E402
 from oomb.memory.spec import LayerPages  # noqa: E402
 
@@ -129,7 +128,7 @@ def gather(dev):
 def dma(dev):
     copier = batch_copier() if dev.type == "cuda" else None
     if dev.type == "cuda" and copier is None:
-        raise Skip("no batched copy here: OOMB_DMA=0, or a CUDA driver older than 12.8")
+        raise Skip("no batched copy here: a CUDA driver older than 12.8")
     numpy = lambda rows: None if rows is None else rows.numpy()  # noqa: E731
     return round_trip(dev, lambda src, sr, dst, dr, stream: copier(*row_copies(src, numpy(sr), dst, numpy(dr)),
                                                                    stream.cuda_stream))

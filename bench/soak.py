@@ -29,7 +29,6 @@ command a minute beyond --budget-s for the checkpoint and export written at the 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shlex
@@ -80,19 +79,14 @@ def analyse(rows: list[dict], baseline_step: int = 2, tolerance_pct: float = 1.0
     return {"checks": checks, "flat": all(c["ok"] for c in checks.values()) if checks else None}
 
 
-def latest_checkpoint(out_dir: str) -> str | None:
-    done = sorted(p for p in glob.glob(os.path.join(out_dir, "step-[0-9]*")) if not p.endswith(".tmp"))
-    return done[-1] if done else None
-
-
-def train_command(args, resume: str | None) -> list[str]:
+def train_command(args, resume) -> list[str]:
     cmd = [sys.executable, "-m", "oomb.cli", "train", "--model", args.model, "--seq-len", str(args.seq_len),
            "--steps", str(args.steps), "--chunk-size", str(args.chunk_size), "--offload", args.offload,
            "--sparse-budget", str(args.sparse_budget), "--output-dir", args.out_dir, "--log-every", "1"]
     if args.smoke:
         cmd += ["--device", "cpu"]
     if resume:
-        cmd += ["--resume", resume]
+        cmd += ["--resume", str(resume)]
     return cmd + args.train_args
 
 
@@ -116,7 +110,9 @@ def run(args) -> tuple[list[dict], str, int, float]:
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     os.makedirs(args.out_dir, exist_ok=True)
     known = len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0  # earlier runs' lines
-    resume = latest_checkpoint(args.out_dir) if args.resume else None
+    from oomb.train import checkpoint
+
+    resume = checkpoint.latest(args.out_dir) if args.resume else None
     if args.resume and resume is None:
         print(f"soak: no checkpoint in {args.out_dir}: starting from step 0")
     cmd = train_command(args, resume)

@@ -143,3 +143,11 @@ def test_non_finite_steps_are_skipped_then_stop_the_run(tmp_path, monkeypatch, c
     assert [r["step"] for r in rows if r.get("skipped")] == [2, 4, 5, 6]
     assert [r["bad_in_a_row"] for r in rows if r.get("skipped")] == [1, 1, 2, 3]
     assert (tmp_path / "step-000006" / "manifest.json").is_file()
+
+
+def test_latest_checkpoint_is_the_newest_finished_one(tmp_path):
+    """checkpoint.latest: the highest step save() finished, never a half-written `.tmp` one."""
+    assert checkpoint.latest(tmp_path) is None and checkpoint.latest(tmp_path / "absent") is None
+    for name in ("step-000002", "step-000010", "step-000012.tmp"):
+        (tmp_path / name).mkdir()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-000010"

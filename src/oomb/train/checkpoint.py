@@ -40,6 +40,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 RESUME_FIELDS = ("model", "seq_len", "batch", "grad_accum", "lora_rank", "tp")
 
 
+def latest(output_dir: str | Path) -> Path | None:
+    """The newest finished checkpoint save() wrote into output_dir (None: none yet)."""
+    done = sorted(Path(output_dir).glob("step-*[0-9]")) if Path(output_dir).is_dir() else []
+    return done[-1] if done else None
+
+
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
     """Every rank calls this (parameters are gathered); the rank with `write` writes the model.
 
