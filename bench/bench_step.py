@@ -138,10 +138,13 @@ def worker(args) -> None:
     # own keys, a variant of its own); at most the first length (a longer one after it may still
     # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
     warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
+    t0 = time.perf_counter()
     step(torch.randint(0, vocab, (1, warm), device=args.device))
+    print(f"[{args.impl}] warm-up step ({warm:,} tokens) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     reserve(max(args.lengths))
     reserve_s = round(time.perf_counter() - t0, 1)
+    print(f"[{args.impl}] reserve ({max(args.lengths):,} tokens) {reserve_s} s", file=sys.stderr, flush=True)
     for length in args.lengths:
         ids = torch.randint(0, vocab, (1, length), device=args.device)
         if cuda:
@@ -170,6 +173,9 @@ def worker(args) -> None:
 
                 def progress(done: int, total: int) -> None:
                     clock(done, total)
+                    if done == total or done % max(1, total // 20) == 0:  # a long step shows it is moving
+                        print(f"[{args.impl} {length:,}] pass {done}/{total}, {time.perf_counter() - t0:.0f} s",
+                              file=sys.stderr, flush=True)
                     if window:
                         prof.step()
                 loss = float(step(ids, progress=progress))

@@ -36,7 +36,7 @@ from .memory.store import PagedKVStore
 from .models import adapter_for
 from .parallel import local_tensor
 from .placement import PlacementInput, human_bytes, place
-from .plan import GPU_MARGIN_BYTES, kept_attention_bytes, plan
+from .plan import gpu_margin, kept_attention_bytes, plan
 
 HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
 
@@ -476,7 +476,8 @@ class ChunkRecurrentEngine:
     def _headroom(self) -> int:
         """Device bytes free for pages (and kept attention) now: free memory and this engine's own
         pool, less one chunk's working set, what is still to come (parameter gradients not
-        allocated yet, `reserved_gpu_bytes`) and a margin."""
+        allocated yet, `reserved_gpu_bytes`) and a margin (plan.gpu_margin(): 5 % of the device, at
+        least 2 GiB)."""
         a, cfg = self.adapter, self.config
         reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
         trainable = None if a.embed_tokens.weight.requires_grad else 0
@@ -488,7 +489,11 @@ class ChunkRecurrentEngine:
                     if p.requires_grad and p.grad is None and p not in summed)
         grads += sum(local_tensor(p).numel() * torch.finfo(cfg.param_grad_dtype).bits // 8 for p in summed)
         later = grads + cfg.reserved_gpu_bytes
-        return self._free_gpu_bytes() + reusable - working_set - later - GPU_MARGIN_BYTES
+        return self._free_gpu_bytes() + reusable - working_set - later - gpu_margin(self._gpu_capacity())
+
+    def _gpu_capacity(self) -> int:
+        """The device's memory in bytes (0 off CUDA: the margin's floor applies)."""
+        return torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
 
     def _free_gpu_bytes(self) -> int:
         """Free device memory, counting what the caching allocator holds but does not use."""

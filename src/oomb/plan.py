@@ -256,15 +256,22 @@ class Fit:
                 f"host {human_bytes(self.host)} of {human_bytes(self.host_capacity)}: {verdict}")
 
 
-#: device bytes left free beside everything planned (allocator slack, kernels, CUDA context)
+#: device bytes left free beside everything planned (allocator slack, kernels, CUDA context): at
+#: least this, and `GPU_MARGIN_FRACTION` of the device, so that a planned step peaks at <= 95 % of it
 GPU_MARGIN_BYTES = 2 * 2**30
+GPU_MARGIN_FRACTION = 0.05
+
+
+def gpu_margin(capacity: int) -> int:
+    """Device bytes a plan leaves free on a GPU of `capacity` bytes (0: unknown, the floor)."""
+    return max(GPU_MARGIN_BYTES, int(capacity * GPU_MARGIN_FRACTION))
 
 
 def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int) -> Fit:
     """The step's placement (placement.place(), as the engine decides it) on a GPU of
     `gpu_capacity` bytes beside weights, gradients, optimizer state, one chunk's working set and
-    a margin; kept attention outputs as many layers' on the GPU as fit, the others on the host."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.selections + GPU_MARGIN_BYTES
+    a margin (gpu_margin()); kept attention outputs as many layers' on the GPU as fit, the others on the host."""
+    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.selections + gpu_margin(gpu_capacity)
     per_kept = p.kept_attention // p.kept_layers if p.kept_layers else 0
     decision = placement.place(placement.PlacementInput(
         offload=offload, full_layers=p.full_layers,
