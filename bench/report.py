@@ -20,12 +20,14 @@ from collections import defaultdict
 HERE = os.path.dirname(os.path.abspath(__file__))
 H200_GIB = 139.8  # what torch reports for the H200s the rows ran on
 
-STEP_IMPLS = {"oomb", "oomb-all", "oomb-auto", "oomb-sparse", "oomb-sparse-all", "oomb-sparse-auto", "liger", "hf"}
+STEP_IMPLS = {"oomb", "oomb-all", "oomb-auto", "oomb-sparse", "oomb-sparse-all", "oomb-sparse-auto", "oomb-default",
+              "liger", "hf"}
 ATTENTION_IMPL = re.compile(r"paged(-sparse\d+)?|sdpa_cudnn|sdpa_flash")
 PARALLEL_IMPLS = {"dense", "sparse"}
 OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto",
-           "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
-PRESET_LAYERS = {"qwen2.5-7b": 28, "gpt-oss-20b": 24}
+           "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto"}
+PRESET_LAYERS = {"qwen2.5-7b": 28, "qwen2.5-3b": 36, "qwen2.5-1.5b": 28, "gpt-oss-20b": 24}
+PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pinned pages
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
@@ -617,20 +619,64 @@ def select_longest(rows: list[dict]) -> list[dict]:
                                          bool(r.get("lora_rank")), "sparse" in r["impl"]))
 
 
+def planned_longest(r: dict) -> int:
+    """The longest context `oomb plan` says a step of row r's model and settings fits on one H200
+    with PLAN_HOST_GIB of host memory (gradients only, as bench_step.py's step)."""
+    import torch
+
+    from oomb.attention.sparse import TopKPages
+    from oomb.cli import lora_params
+    from oomb.config import EngineConfig
+    from oomb.plan import longest_context, place, plan
+    from oomb.presets import preset_config
+
+    config = preset_config(r.get("model", "qwen2.5-7b"))
+    engine = EngineConfig(chunk_size=r["chunk_size"], offload=OFFLOAD[r["impl"]],
+                          sparse=TopKPages(budget=64) if "sparse" in r["impl"] else None,
+                          kv_grad_dtype=torch.bfloat16 if r.get("kv_grad_dtype") == "bf16" else torch.float32,
+                          checkpoint_layers=bool(r.get("checkpoint_layers")), compile_layers=bool(r.get("compile")),
+                          keep_attention=False)
+    trainable = lora_params(config, r["lora_rank"]) if r.get("lora_rank") else None
+
+    def fits(n: int) -> bool:
+        p = plan(config, n, engine=engine, trainable_params=trainable, optimizer_bytes_per_param=0,
+                 param_grad_dtype=torch.float32 if r.get("param_grad_dtype") == "fp32" else None)
+        return place(p, engine.offload, int(H200_GIB * 2**30), PLAN_HOST_GIB * 2**30).fits
+    return longest_context(fits, engine.chunk_size)
+
+
 def longest_section(rows: list[dict]) -> str:
-    cmds, out = Commands(), []
+    cmds, out, planned = Commands(), [], []
     for r in select_longest(rows):
+        if r.get("model", "qwen2.5-7b").startswith("qwen2.5"):
+            longest = planned_longest(r)
+            planned.append([r.get("model", "qwen2.5-7b"), f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full",
+                            "top-k" if "sparse" in r["impl"] else "dense", f"'{OFFLOAD[r['impl']]}', " + step_settings(r),
+                            f"{longest:,}", f"{r['seq_len']:,}", peak(r), f"{100 * r['peak_gib'] / H200_GIB:.1f} %"
+                            if r.get("peak_gib") else "—"])
         out.append([r.get("model", "qwen2.5-7b"), f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full",
                     "top-k" if "sparse" in r["impl"] else "dense", f"{r['seq_len']:,}", f"{r['step_s']:.1f}",
                     num(r["tok_s"]), peak(r), num(r.get("host_peak_gib"), ".1f"), f"'{OFFLOAD[r['impl']]}', "
                     + step_settings(r), commit(r), day(r), cmds.ref(step_command(r))])
+    measured = {row[0] for row in planned}
+    topk = {"impl": "oomb-sparse-auto", "chunk_size": 4096, "kv_grad_dtype": "bf16", "checkpoint_layers": True}
+    for model in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"):  # a shape no step measured: the plan alone
+        if model not in measured:
+            planned.append([model, "full", "top-k", "'auto', " + step_settings(topk), f"{planned_longest({**topk, 'model': model}):,}",
+                            "—", "—", "—"])
     return section("step", out, cmds,
         "The longest context a measured step reached, per model, kind of gradients and attention. "
         "`oomb plan --seq-len N` estimates the GPU and host memory of other lengths before a run.",
         table(["model", "gradients", "attention", "tokens", "s / step", "tok/s", "peak GPU GiB", "host GiB",
                "offload, settings", "commit", "date", "command"], out),
         "Rows: for each model, kind of gradients and attention, the longest context among the rows; the "
-        "newest row there.")
+        "newest row there.",
+        f"The plan beside the measurement: the longest context `oomb plan` says each of those steps fits on one H200 "
+        f"({H200_GIB} GiB, 5 % of it left free) with {PLAN_HOST_GIB} GiB of pinned host memory (gradients only, as "
+        "the measured step; `oomb plan --model M --seq-len N --optimizer none` with the row's settings), computed "
+        "from the code of this page's commit.",
+        table(["model", "gradients", "attention", "offload, settings", "plan: longest tokens", "measured tokens",
+               "measured peak GPU GiB", "of the GPU"], planned))
 
 
 def select_gpt_oss(rows: list[dict]) -> list[dict]:
