@@ -66,7 +66,50 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KEEP = {"no": False, "yes": True, "fit": None}  # --keep-attention -> the engine's keep_attention
 OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sparse": "none",
-                "oomb-sparse-all": "all", "oomb-sparse-auto": "auto"}
+                "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto"}
+
+
+def default_step_fn(model, model_name: str, lora_rank: int):
+    """(step, reserve) of `oomb-default`: for each length, the engine `oomb train` builds with no
+    tuning flags (trainer.run_engine_config: oomb.auto's choice on this machine's memory, with
+    room for AdamW's state; offload 'auto', kept attention as far as it fits, compile 'auto').
+    reserve(tokens) builds it for that length (pages and pinned memory allocated, its kernels
+    and compiled layers warmed up on a few chunks), so the timed step is a training run's second."""
+    import gc
+
+    import oomb
+    from oomb.train.config import TrainConfig
+    from oomb.train.trainer import make_optimizer, run_engine_config
+
+    state = {}
+
+    def reserve(tokens: int) -> None:
+        if state.get("tokens") == tokens:
+            return
+        state.clear()
+        gc.collect()
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+        cfg = TrainConfig(model=model_name, seq_len=tokens, lora_rank=lora_rank)
+        optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)  # no state yet
+        settings, choice = run_engine_config(cfg, model, model.device, optimizer,
+                                             oomb.KernelOptions.from_env(os.environ))
+        print(f"[oomb-default {tokens:,}] {choice.summary()}", file=sys.stderr, flush=True)
+        engine = oomb.ChunkRecurrentEngine(model, settings)
+        engine.reserve(1, tokens)
+        warm = min(tokens, 3 * settings.chunk_size)
+        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, warm), device=model.device))
+        for p in model.parameters():
+            p.grad = None
+        state.update(tokens=tokens, engine=engine, choice=choice)
+
+    def step(ids, progress=None):
+        reserve(ids.shape[1])
+        return state["engine"].forward_backward(ids, progress=progress).loss
+
+    step.engine = lambda: state["engine"]
+    step.choice = lambda: state["choice"]
+    return step, reserve
 
 
 def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", checkpoint_layers: bool = False,
@@ -77,7 +120,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
     warms up the host path when offload puts layers there (its kernels compile at first use:
     ~4 s once, which a training run pays in its first step only)."""
-    if impl in OOMB_OFFLOAD:
+    if impl in OOMB_OFFLOAD and impl != "oomb-default":
         import oomb
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
@@ -92,13 +135,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            gpu_page_budget_bytes=None if page_budget_gib is None
                                            else int(page_budget_gib * 2**30))
         step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
-        step.host_layers = lambda: len(engine.store.host_layers)
-        step.kept = lambda: {"kept_layers": len(engine.kept.layers),
-                             "kept_where": engine.kept.where,
-                             "kept_host_layers": len(engine.kept.host_layers),
-                             "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2),
-                             # how stage 2 moves a sparse host layer's selected pages (memory/dma.py)
-                             "copy_engines": engine.store.host.dma is not None}
+        step.engine = lambda: engine
 
         def reserve(tokens: int) -> None:
             engine.reserve(1, tokens)
@@ -121,6 +158,16 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
     return hf_step, lambda tokens: None
 
 
+def engine_fields(engine) -> dict:
+    """What a row records of the oomb engine that ran its step."""
+    return {"host_layers": len(engine.store.host_layers),  # layers whose pages offload put on the host
+            "kept_layers": len(engine.kept.layers), "kept_where": engine.kept.where,
+            "kept_host_layers": len(engine.kept.host_layers),
+            "kept_host_gib": round(engine.kept.arena_bytes / 2**30, 2),
+            # how stage 2 moves a sparse host layer's selected pages (memory/dma.py)
+            "copy_engines": engine.store.host.dma is not None}
+
+
 def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
@@ -128,9 +175,12 @@ def worker(args) -> None:
     model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, args.float8)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
-    step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
-                            compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
-                            args.kept_host_gib, args.group_pages)
+    if args.impl == "oomb-default":
+        step, reserve = default_step_fn(model, args.model, args.lora_rank)
+    else:
+        step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
+                                compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
+                                args.kept_host_gib, args.group_pages)
     vocab = model.config.vocab_size
     # Warm-up: kernels compiled, grads allocated. Six chunks, so that the last reads 5 chunks of
     # earlier pages (160 at 4096 tokens): more than top-k's budget (64) and than one dense group of
@@ -138,15 +188,23 @@ def worker(args) -> None:
     # own keys, a variant of its own); at most the first length (a longer one after it may still
     # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
     warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
-    t0 = time.perf_counter()
-    step(torch.randint(0, vocab, (1, warm), device=args.device))
-    print(f"[{args.impl}] warm-up step ({warm:,} tokens) {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    reserve(max(args.lengths))
-    reserve_s = round(time.perf_counter() - t0, 1)
-    print(f"[{args.impl}] reserve ({max(args.lengths):,} tokens) {reserve_s} s", file=sys.stderr, flush=True)
+    default = args.impl == "oomb-default"  # builds (and warms up) its engine per length in reserve()
+    if not default:
+        t0 = time.perf_counter()
+        step(torch.randint(0, vocab, (1, warm), device=args.device))
+        print(f"[{args.impl}] warm-up step ({warm:,} tokens) {time.perf_counter() - t0:.1f} s", file=sys.stderr,
+              flush=True)
+        t0 = time.perf_counter()
+        reserve(max(args.lengths))
+        reserve_s = round(time.perf_counter() - t0, 1)
+        print(f"[{args.impl}] reserve ({max(args.lengths):,} tokens) {reserve_s} s", file=sys.stderr, flush=True)
     for length in args.lengths:
-        ids = torch.randint(0, vocab, (1, length), device=args.device)
+        if default:
+            t0 = time.perf_counter()
+            reserve(length)
+            reserve_s = round(time.perf_counter() - t0, 1)
+        # the same tokens for every implementation, whatever its warm-up drew
+        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -191,10 +249,14 @@ def worker(args) -> None:
                        device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else None,
                        host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
                        **meter.summary())
-            if hasattr(step, "host_layers"):  # layers whose pages offload put on the host this step
-                row["host_layers"] = step.host_layers()
-                row.update(step.kept())
+            if hasattr(step, "engine"):
+                row.update(engine_fields(step.engine()))
                 row.update(clock.summary())
+            if default:  # what oomb.auto chose, in the row's own fields
+                e = step.engine().config
+                row.update(chunk_size=e.chunk_size, kv_grad_dtype="bf16" if e.kv_grad_dtype == torch.bfloat16
+                           else "fp32", checkpoint_layers=e.checkpoint_layers, compile=e.compile_layers,
+                           keep_attention="fit", param_grad_dtype="fp32", auto=step.choice().summary())
         except torch.OutOfMemoryError as e:
             row.update(ok=False, error=str(e)[:160])
         finally:
@@ -216,7 +278,8 @@ def worker(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default="oomb,liger,hf",
-                    help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), liger, hf")
+                    help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), "
+                         "oomb-default (what oomb train chooses: no tuning flags apply), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
     ap.add_argument("--model", default="qwen2.5-7b", help="a preset of oomb.presets (qwen2.5-7b, gpt-oss-20b)")
     ap.add_argument("--layers", type=int, default=None, help="default: the preset's")

@@ -189,3 +189,23 @@ def test_gpu_meter_averages_nvidia_smi_samples(tmp_path, monkeypatch):
     assert meter.summary() == {"sm_mhz": 1815, "power_w": 408, "power_capped": 0.5}
     assert (tmp_path / "args").read_text().split()[:2] == ["-i", "GPU-1234-abcd"]
     assert meter.stop() == "" and GpuMeter(cuda=False).summary() == {}
+
+
+def test_bench_step_default_is_what_train_chooses(tmp_path):
+    """oomb-default builds, for each length, the engine `oomb train` builds with no flags
+    (trainer.run_engine_config): the rows record that choice; its loss is the same step's."""
+    out = tmp_path / "step.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
+           "--impls", "oomb-default,oomb", "--lengths", "1K,4K", "--chunk-size", "256", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["impl"], r["seq_len"]) for r in rows] == [("oomb-default", 1024), ("oomb-default", 4096),
+                                                        ("oomb", 1024), ("oomb", 4096)]
+    assert all(r["ok"] for r in rows)
+    # a CPU run plans in host memory: the largest chunk that leaves two (at most half the sequence)
+    assert [r["chunk_size"] for r in rows[:2]] == [512, 2048]
+    assert all(r["auto"].startswith("auto configuration: chunk") and r["kv_grad_dtype"] == "fp32"
+               and r["checkpoint_layers"] is False for r in rows[:2])
+    for default, fixed in zip(rows[:2], rows[2:]):  # the same tokens: chunking changes the rounding only
+        assert abs(default["loss"] - fixed["loss"]) <= 1e-4 * fixed["loss"]

@@ -77,8 +77,10 @@ def test_cli_user_error_is_one_line(capsys):
 
 def test_cli_plan_json():
     out = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", "--model", "qwen2.5-7b", "--seq-len", "64K",
-                          "--json"], capture_output=True, text=True, check=True)
+                          "--chunk-size", "4096", "--kv-grad-dtype", "float32", "--json"],
+                         capture_output=True, text=True, check=True)
     plan = json.loads(out.stdout)
+    assert "chunk 4096" in plan["auto"] and "(chosen:" in plan["auto"]  # layer recomputation was left to it
     # 15 full chunks stored x 28 layers x 4 KV heads x 128 x (2 B K/V + 4 B dK/dV) x 2
     assert plan["pages"] == 15 * 4096 * 28 * 4 * 128 * 2 * (2 + 4)
     # the parameter count is exact: compare with the model itself, built on the meta device
@@ -109,8 +111,8 @@ def test_cli_plan_4m_tokens_on_one_h200(capsys):
                         (["--host-memory", "110GiB"], False), (["--host-memory", "120GiB"], True)):
         main(args + extra)
         out = capsys.readouterr().out
-        assert "qwen2.5-1.5b: 1 x 4,194,304 tokens" in out and "of 139.8 GiB" in out
-        assert (": fits" in out) == fits, extra
+        assert "qwen2.5-1.5b: 1 x 4,194,304 tokens" in out and "139.8 GiB" in out
+        assert (": fits" in out) == fits and ("do not fit this machine" in out) == (not fits), extra
         longest = int(out.rsplit("offload auto: ", 1)[1].split(" tokens")[0].replace(",", ""))
         assert (longest >= 4 * 2**20) == fits, extra
     with pytest.raises(SystemExit) as e:
@@ -191,7 +193,7 @@ def test_plan_placement_and_longest_context(capsys):
     main(["plan", "--seq-len", "1M", "--offload", "all", "--kv-grad-dtype", "bfloat16", "--optimizer", "none",
           "--host-memory", "110GiB"])
     out = capsys.readouterr().out
-    assert f"longest context that fits with offload all: {n:,} tokens" in out and "does NOT fit" in out
+    assert f"longest context that fits with offload all: {n:,} tokens" in out and "do not fit this machine" in out
 
 
 def test_plan_per_rank_under_tensor_parallelism(capsys):

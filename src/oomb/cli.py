@@ -56,46 +56,74 @@ def parse_bytes(text: str) -> int:
 
 def cmd_plan(args) -> None:
     from .attention.sparse import TopKPages
+    from .auto import AUTO_FIELDS, Machine, NothingFits, choose, compiles
     from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
     from .presets import load_config
 
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
-    grad_dtype = torch.bfloat16 if args.kv_grad_dtype == "bfloat16" else torch.float32
     trainable = lora_params(config, args.lora_rank, args.tp) if args.lora_rank else None
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
+    given = {"chunk_size": None if args.chunk_size == "auto" else int(args.chunk_size),
+             "kv_grad_dtype": {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.kv_grad_dtype],
+             "checkpoint_layers": args.checkpoint_layers}
+    free = tuple(k for k in AUTO_FIELDS if given[k] is None)  # as oomb train chooses them (oomb.auto)
 
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
-    engine = EngineConfig(chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
-                          sparse=sparse, kv_grad_dtype=grad_dtype, group_pages=args.group_pages,
-                          checkpoint_layers=args.checkpoint_layers, compile_layers=args.compile,
-                          param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
-                          keep_attention=args.keep_attention)
+    base = EngineConfig(**{k: v for k, v in given.items() if v is not None}, page_size=args.page_size,
+                        offload=args.offload, sparse=sparse, group_pages=args.group_pages,
+                        compile_layers=compiles(config, torch.device("cuda"), bool(args.lora_rank))
+                        if args.compile is None else args.compile,
+                        param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
+                        keep_attention=args.keep_attention)
+    machine = Machine(args.gpu_memory, args.host_memory)
+    plan_args = dict(batch=args.batch, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
+                     optimizer_shards=args.dp, tp=args.tp)
 
-    def step_plan(seq_len):
-        return plan(config, seq_len, batch=args.batch, engine=engine, trainable_params=trainable,
-                    optimizer_bytes_per_param=opt_bytes, optimizer_shards=args.dp, tp=args.tp)
+    def engine_for(seq_len):
+        """The step's settings: the given ones, the free ones as oomb train would choose them."""
+        if not free:
+            return base, None
+        try:
+            choice = choose(config, seq_len, machine, base, free, **plan_args)
+            return choice.engine, choice
+        except NothingFits as e:
+            return None, e
 
-    def placement(seq_len):
-        return place(step_plan(seq_len), args.offload, args.gpu_memory, args.host_memory)
+    def step_plan(seq_len, engine):
+        return plan(config, seq_len, engine=engine, **plan_args)
+
+    def placement(seq_len, engine):
+        return place(step_plan(seq_len, engine), args.offload, args.gpu_memory, args.host_memory)
 
     for seq_len in args.seq_len:
-        p = step_plan(seq_len)
+        engine, choice = engine_for(seq_len)
+        if engine is None:  # nothing fits: the reason, and the plan of the most frugal settings
+            print(f"{args.model}: {choice}")
+            continue
+        p = step_plan(seq_len, engine)
         if args.json:
-            print(json.dumps({**p.as_dict(), "placement": dataclasses.asdict(placement(seq_len))}))
+            print(json.dumps({**p.as_dict(), "placement": dataclasses.asdict(placement(seq_len, engine)),
+                              "auto": choice.summary() if choice is not None else None}))
             continue
         grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
         ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
-        print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {args.chunk_size}, page {args.page_size}, "
-              f"bf16 weights, {grads}, {args.kv_grad_dtype} dK/dV pages, optimizer {args.optimizer}{ranks}")
+        if choice is not None:
+            print(choice.summary())
+        print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {engine.chunk_size}, page {args.page_size}, "
+              f"bf16 weights, {grads}, {str(engine.kv_grad_dtype).removeprefix('torch.')} dK/dV pages"
+              f"{', layers recomputed' if engine.checkpoint_layers else ''}, optimizer {args.optimizer}{ranks}")
         print(p.table())
         print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
               f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections"
               + ("; kept attention outputs fill the room left on the GPU, then go to the host)"
                  if p.kept_attention else ")"))
-        print(placement(seq_len).summary())
+        print(placement(seq_len, engine).summary())
     if not args.json:
-        longest = longest_context(lambda n: placement(n).fits, args.chunk_size)
+        def fits(n):
+            engine, _ = engine_for(n)
+            return engine is not None and placement(n, engine).fits
+        longest = longest_context(fits, base.page_size if free else base.chunk_size)
         print(f"longest context that fits with offload {args.offload}: {longest:,} tokens "
               f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)})")
 
@@ -234,15 +262,17 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--model", default="qwen2.5-7b", help="preset name or local checkpoint")
     p_plan.add_argument("--seq-len", type=parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
     p_plan.add_argument("--batch", type=int, default=1)
-    p_plan.add_argument("--chunk-size", type=int, default=4096)
+    p_plan.add_argument("--chunk-size", default="auto", help="tokens, or auto (as oomb train chooses it)")
     p_plan.add_argument("--page-size", type=int, default=128)
     p_plan.add_argument("--group-pages", type=int, default=1024,
                         help="pages per attention call: a dense host layer stages this many at a time")
-    p_plan.add_argument("--kv-grad-dtype", choices=["float32", "bfloat16"], default="float32")
+    p_plan.add_argument("--kv-grad-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
-    p_plan.add_argument("--checkpoint-layers", action="store_true", help="recompute each layer in backward")
-    p_plan.add_argument("--compile", action="store_true",
-                        help="the layers run compiled (train's --compile), which keeps fewer activations")
+    p_plan.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction, default=None,
+                        help="recompute each layer in backward (default: auto)")
+    p_plan.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="the layers run compiled (train's --compile), which keeps fewer activations "
+                             "(default: as oomb train on a GPU, on for dense families without LoRA)")
     p_plan.add_argument("--keep-attention", action="store_true",
                         help="stage 1 keeps the attention outputs for stage 2 (as many layers' as fit beside the "
                              "pages on the GPU, the others in pinned host memory)")

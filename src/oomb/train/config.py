@@ -23,21 +23,26 @@ class TrainConfig:
     weight_decay: float = 0.0
     warmup_steps: int = 4
     grad_clip: float = 1.0
-    chunk_size: int = 1024
+    # 'auto' (chunk_size, kv_grad_dtype; None for checkpoint_layers): oomb.auto.choose() picks the fastest
+    # setting the memory plan says fits this machine's GPU and host memory; a value given wins
+    chunk_size: int | str = "auto"
     page_size: int = 128
     # pages per attention call (and per dense host layer's transfer; every offload mode groups alike, so their
     # gradients are bitwise equal): 1024 is faster than 128 for dense attention, offloaded or not
     group_pages: int = 1024
     backend: str = "auto"  # auto | torch | triton
-    offload: str = "none"  # none | all (pages on the host: least GPU memory) | auto (spill what does not fit)
-    kv_grad_dtype: str = "float32"  # float32 | bfloat16 (halves the dK/dV pages)
+    # auto (whole layers' pages on the GPU while they fit, the rest on the host: 'none' when all fit) | none |
+    # all (pages on the host: least GPU memory)
+    offload: str = "auto"
+    kv_grad_dtype: str = "auto"  # auto | float32 | bfloat16 (halves the dK/dV pages)
     # stage 2 takes stage 1's attention outputs instead of computing them again (C x H x (D + 2) x 2
     # bytes per layer and chunk: 28 MiB at Qwen2.5-7B's chunk 4096), on the GPU when they fit beside
     # the pages, else in pinned host memory; None: as many layers as fit (decided by the engine at
     # each step), True: all of them or an error
     keep_attention: bool | None = None
     kept_host_gib: float | None = None  # host memory the kept outputs may pin (default: half of what is free)
-    checkpoint_layers: bool = False  # recompute each layer in backward: least activation memory, ~+25 % compute
+    # recompute each layer in backward: least activation memory, ~+25 % compute; None: auto
+    checkpoint_layers: bool | None = None
     sparse_budget: int = 0  # > 0: top-k sparse attention, this many earlier pages per query block (oomb.TopKPages)
     sparse_chunk_budget: int = 0  # pages one chunk's blocks choose from (and offload moves); 0: max(256, budget)
     sparse_sink_pages: int = 1  # the first pages every query block attends
@@ -59,7 +64,8 @@ class TrainConfig:
     float8: str = "none"
     # torch.compile the layer pieces around attention (fused norms, RoPE, MLP); None: on under tensor
     # parallelism (tp > 1), where DTensor's per-op dispatch otherwise leaves the GPU waiting on the host,
-    # and with float8, whose casts to float8 then fuse into those pieces
+    # with float8, whose casts to float8 then fuse into those pieces, and on CUDA for the dense families
+    # with full-parameter gradients (oomb.auto.compiles)
     compile: bool | None = None
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -86,12 +92,24 @@ class TrainConfig:
 
     @property
     def compile_layers(self) -> bool:
+        """Compiled layers whatever the device (the trainer adds oomb.auto.compiles()'s rule)."""
         return self.tp > 1 or self.float8 != "none" if self.compile is None else self.compile
 
+    @property
+    def auto_fields(self) -> tuple[str, ...]:
+        """The engine settings left to oomb.auto.choose()."""
+        return tuple(name for name, auto in (("chunk_size", self.chunk_size == "auto"),
+                                             ("kv_grad_dtype", self.kv_grad_dtype == "auto"),
+                                             ("checkpoint_layers", self.checkpoint_layers is None)) if auto)
+
     def __post_init__(self) -> None:
+        if isinstance(self.chunk_size, str) and self.chunk_size != "auto":
+            if not self.chunk_size.isdigit():
+                raise ValueError(f"chunk_size={self.chunk_size!r} must be 'auto' or a number of tokens (e.g. 4096)")
+            self.chunk_size = int(self.chunk_size)
         checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("grad_accum", self.grad_accum, 1),
                   ("steps", self.steps, 1),
-                  ("chunk_size", self.chunk_size, 1), ("page_size", self.page_size, 1),
+                  ("chunk_size", 1 if self.chunk_size == "auto" else self.chunk_size, 1), ("page_size", self.page_size, 1),
                   ("group_pages", self.group_pages, 1),
                   ("log_every", self.log_every, 1), ("max_bad_steps", self.max_bad_steps, 1),
                   ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
@@ -118,8 +136,10 @@ class TrainConfig:
         if self.kept_host_gib is not None and self.kept_host_gib < 0:
             raise ValueError(f"kept_host_gib={self.kept_host_gib} must be >= 0 (0: keep attention outputs on the GPU "
                              "only; leave it unset for half the free host memory)")
-        if self.kv_grad_dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be float32 or bfloat16")
+        if self.kv_grad_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be auto, float32 or bfloat16")
+        if self.offload not in ("auto", "none", "all"):
+            raise ValueError(f"offload={self.offload!r} must be auto, none or all")
         if self.liger and self.tp > 1:
             raise ValueError(f"liger=True with tp={self.tp}: Liger's kernels take no tensor-parallel (DTensor) "
                              "inputs; train with tp=1 or without liger")

@@ -1,6 +1,7 @@
 """The training loop: the engine computes gradients, this owns data, optimizer and state."""
 from __future__ import annotations
 
+import gc
 import math
 import os
 import shlex
@@ -13,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..attention.sparse import TopKPages
+from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
 from ..engine import ChunkRecurrentEngine
 from ..models.float8 import apply_float8
@@ -60,16 +62,66 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
 
 
 def engine_config(cfg, kernels: KernelOptions | None = None, **extra) -> EngineConfig:
-    """The EngineConfig of a TrainConfig's engine settings (`extra`: what the run measures,
-    reserved_gpu_bytes, local_world_size)."""
-    return EngineConfig(chunk_size=cfg.chunk_size, page_size=cfg.page_size, group_pages=cfg.group_pages,
-                        backend=cfg.backend, offload=cfg.offload, kv_grad_dtype=getattr(torch, cfg.kv_grad_dtype),
-                        checkpoint_layers=cfg.checkpoint_layers, sparse=sparse_config(cfg),
-                        compile_layers=cfg.compile_layers,
+    """The EngineConfig of a TrainConfig's engine settings (`extra`: what the run measures or
+    decides, reserved_gpu_bytes, local_world_size, compile_layers). The fields left to 'auto'
+    (cfg.auto_fields) take EngineConfig's defaults here: oomb.auto.choose() sets them."""
+    given = {"chunk_size": cfg.chunk_size, "kv_grad_dtype": getattr(torch, cfg.kv_grad_dtype, None),
+             "checkpoint_layers": cfg.checkpoint_layers}
+    extra = {"compile_layers": cfg.compile_layers, **extra}
+    return EngineConfig(**{k: v for k, v in given.items() if k not in cfg.auto_fields},
+                        page_size=cfg.page_size, group_pages=cfg.group_pages,
+                        backend=cfg.backend, offload=cfg.offload, sparse=sparse_config(cfg),
                         param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
                         keep_attention=cfg.keep_attention,
                         kept_host_bytes=None if cfg.kept_host_gib is None else int(cfg.kept_host_gib * 2**30),
                         kernels=kernels or KernelOptions(), **extra)
+
+
+def plan_args(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg) -> dict:
+    """What oomb.plan.plan() needs of this run beside the engine's settings: this rank's
+    parameter counts, the optimizer state per trainable parameter, the weights' dtype, TP."""
+    params = list(model.parameters())
+    trainable = sum(local_tensor(p).numel() for p in params if p.requires_grad)
+    return dict(n_params=sum(local_tensor(p).numel() for p in params), trainable_params=trainable,
+                optimizer_bytes_per_param=-(-optimizer_state_bytes(optimizer) // max(1, trainable)),
+                dtype=params[0].dtype, tp=cfg.tp)
+
+
+def run_engine_config(cfg, model, device: torch.device, optimizer, kernels: KernelOptions | None = None
+                      ) -> tuple[EngineConfig, Choice | None]:
+    """The engine settings of a run of `cfg`: compile 'auto' resolved (oomb.auto.compiles), room
+    left for the optimizer's state, and the fields left to 'auto' chosen (oomb.auto.choose, with
+    the Choice; None when every field was given). bench/bench_step.py's oomb-default calls it too."""
+    compile_layers = cfg.compile_layers or (cfg.compile is None and compiles(model.config, device, bool(cfg.lora_rank)))
+    base = engine_config(cfg, kernels, reserved_gpu_bytes=optimizer_state_bytes(optimizer),
+                         local_world_size=local_world_size(), compile_layers=compile_layers)
+    if not cfg.auto_fields:
+        return base, None
+    choice = choose_engine(cfg, model, device, base, optimizer)
+    return choice.engine, choice
+
+
+def choose_engine(cfg, model, device, base: EngineConfig, optimizer, below: Choice | None = None) -> Choice:
+    """oomb.auto.choose() for this run: the free fields of cfg over `base`, on the memory this
+    machine has now (shared among the local processes)."""
+    machine = Machine.measure(device, local_world_size()) if below is None else below.machine
+    return choose(model.config, cfg.seq_len, machine, base, cfg.auto_fields, batch=cfg.batch, below=below,
+                  **plan_args(model, optimizer, cfg))
+
+
+def replan_after_oom(cfg, model, device, choice: Choice, optimizer, error: str) -> Choice:
+    """After the first step ran out of GPU memory: free what it held, and the next setting that
+    needs less working memory (an error naming both when there is none)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        smaller = choose_engine(cfg, model, device, choice.engine, optimizer, below=choice)
+    except NothingFits as e:
+        raise NothingFits(f"step 1 ran out of GPU memory ({error}) and {e}") from None
+    print(f"oomb train: step 1 ran out of GPU memory with {choice.settings()}; retrying with "
+          f"{smaller.settings()}", flush=True)
+    return smaller
 
 
 def sparse_config(cfg) -> TopKPages | None:
@@ -285,12 +337,15 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     # parameters, then broadcasts them: the memory saved goes to pages ('auto').
     zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
     optimizer = make_optimizer(params, cfg, dp_group if zero else None)
+    settings, choice = run_engine_config(cfg, model, device, optimizer, kernels)
+    compile_layers = settings.compile_layers
+    if rank0 and choice is not None:
+        print(f"oomb train: {choice.summary()}", flush=True)
     try:
-        engine = ChunkRecurrentEngine(model, engine_config(cfg, kernels, reserved_gpu_bytes=optimizer_state_bytes(
-            optimizer), local_world_size=local_world_size()))
+        engine = ChunkRecurrentEngine(model, settings)
     except ValueError as e:
-        if cfg.compile is None and cfg.compile_layers:
-            why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}"
+        if cfg.compile is None and compile_layers:
+            why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}" if cfg.float8 != "none" else "CUDA"
             raise ValueError(f"{e} (--compile is on by default with {why}: pass --no-compile)") from e
         raise
     vocab = engine.adapter.vocab_size
@@ -321,16 +376,16 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
         layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
         layout += " (optimizer state sharded: ZeRO-1)" if zero else ""
         print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
-              f"on {device}{layout}, backend {engine.backend}, offload {cfg.offload}, "
+              f"on {device}{layout}, backend {engine.backend}, offload {engine.config.offload}, "
               f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
-              f"chunk {cfg.chunk_size}, page {cfg.page_size}, "
+              f"chunk {engine.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
               f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
               f"{rope_summary(model.config) if cfg.rope_theta or cfg.rope_scaling else ''}"
               f"{f'needles in {cfg.needle_rate:.0%} of sequences, ' if cfg.needle_rate else ''}"
               f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
               f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
-              f"{'compiled layers, ' if cfg.compile_layers else ''}{kept_attention(engine)}"
+              f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
@@ -371,11 +426,27 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
             count = global_token_count(torch.cat([labels for _, labels in micro]), dp_group)  # one all-reduce
             loss_t = torch.zeros((), dtype=torch.float32, device=device)
             try:
-                for m, (input_ids, labels) in enumerate(micro):
-                    desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
-                    with chunk_progress(desc, enabled=rank0) as bar:
-                        loss_t += engine.forward_backward(input_ids, labels, num_tokens=count,
-                                                          progress=progress_of(bar)).loss
+                while True:
+                    try:
+                        for m, (input_ids, labels) in enumerate(micro):
+                            desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
+                            with chunk_progress(desc, enabled=rank0) as bar:
+                                loss_t += engine.forward_backward(input_ids, labels, num_tokens=count,
+                                                                  progress=progress_of(bar)).loss
+                        break
+                    except torch.OutOfMemoryError as e:
+                        # The plan was wrong: the run's first step is retried one notch smaller
+                        # (a single process: ranks would disagree on where they are).
+                        if losses or choice is None or distributed:
+                            raise
+                        oom = str(e).splitlines()[0][:200]
+                    # out of the except block, whose traceback held the failed step's tensors
+                    optimizer.zero_grad(set_to_none=True)
+                    loss_t.zero_()
+                    engine = None
+                    choice = replan_after_oom(cfg, model, device, choice, optimizer, oom)
+                    engine = ChunkRecurrentEngine(model, choice.engine)
+                    engine.reserve(cfg.batch, cfg.seq_len)
             except StepAbandoned:
                 optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
                 break
