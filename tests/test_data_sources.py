@@ -81,6 +81,12 @@ def test_chat_labels_cover_exactly_the_assistant_tokens(ckpt):
     assert ids == [ID[w.rstrip("*")] for w in expected]
     assert mask.tolist() == [w.endswith("*") for w in expected]
     assert ids == list(tok.apply_chat_template(CHAT)["input_ids"])
+    # a template without a generation prompt: the assistant header is part of the turn
+    tok.chat_template = CHATML.split("{% if add_generation_prompt %}")[0]
+    ids, mask = render_chat(tok, CHAT[2:], "test")
+    assert mask.tolist() == [w.endswith("*") for w in
+                             "<|im_start|>* assistant* the* cat* sat* <|im_end|>* <|im_start|> user how are you "
+                             "<|im_end|> <|im_start|>* assistant* a* dog* sat* on* the* mat* <|im_end|>*".split()]
 
 
 def byte_bpe(path, template):
