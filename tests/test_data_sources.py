@@ -274,8 +274,9 @@ def tokenize_error(tmp_path, ckpt, inputs, *flags, model=None):
 
 def test_bad_input_is_refused_with_the_record_and_the_fix(tmp_path, ckpt, monkeypatch):
     bad = write_jsonl(tmp_path / "bad.jsonl", [{"text": "a dog"}, {"body": "the cat"}])
-    assert f"{bad}:2 has no 'text' field; set --text-field (text) or --messages-field (chat)" in \
-        tokenize_error(tmp_path, ckpt, [bad]) and "its fields with a value: body" in tokenize_error(tmp_path, ckpt, [bad])
+    message = tokenize_error(tmp_path, ckpt, [bad])
+    assert f"{bad}:2 has no 'text' field; set --text-field (text) or --messages-field (chat)" in message
+    assert "(its fields with a value: body)" in message
     (tmp_path / "empty.jsonl").write_text("\n")
     assert "empty.jsonl holds no records (an empty file?)" in tokenize_error(tmp_path, ckpt, [tmp_path / "empty.jsonl"])
     (tmp_path / "data.csv").write_text("text\nthe cat\n")
@@ -345,10 +346,19 @@ def test_chat_labels_reach_the_engine_loss_as_transformers_reads_them(tmp_path, 
     assert float(got.loss) == pytest.approx(float(want), rel=1e-5)
 
 
+def taking_positions(method, calls: list):
+    """`method` with a position_ids keyword, which it records in `calls` and does not pass on."""
+    def wrapped(self, input_ids, labels=None, *args, position_ids=None, **kwargs):
+        calls.append(position_ids)
+        return method(self, input_ids, labels, *args, **kwargs)
+    return wrapped
+
+
 def test_train_on_chat_data(tmp_path, ckpt, capsys, monkeypatch):
     """--no-pack: one conversation per sequence, padded, trains on the assistant's tokens. Packed
     (the default for chat data) needs an engine that takes position_ids: refused before the first
-    step where it has none; with one, the packed batches' position_ids reach it."""
+    step where it has none; with one, the packed batches' position_ids reach forward_backward and
+    evaluate (held-out batches)."""
     from oomb.engine import ChunkRecurrentEngine
 
     rows = records() * 3
@@ -358,19 +368,19 @@ def test_train_on_chat_data(tmp_path, ckpt, capsys, monkeypatch):
     main(["train", "--data", out, "--no-pack", "--steps", "2", *SMALL])
     assert re.search(r"step +2/2 +loss \d+\.\d+", capsys.readouterr().out)
 
-    original = ChunkRecurrentEngine.forward_backward
-    if "position_ids" not in inspect.signature(original).parameters:
+    masking = "position_ids" in inspect.signature(ChunkRecurrentEngine.forward_backward).parameters
+    seen = {"forward_backward": [], "evaluate": []}
+    if not masking:
         with pytest.raises(SystemExit, match="packed data needs an engine with document masking"):
             main(["train", "--data", out, "--steps", "1", *SMALL])
-        seen = []
-
-        def with_positions(self, input_ids, labels=None, num_tokens=None, progress=None, position_ids=None):
-            seen.append(position_ids)
-            return original(self, input_ids, labels, num_tokens=num_tokens, progress=progress)
-
-        monkeypatch.setattr(ChunkRecurrentEngine, "forward_backward", with_positions)
-    main(["train", "--data", out, "--steps", "2", *SMALL])
+        for name in seen:  # an engine that takes position_ids (and, here, ignores them)
+            monkeypatch.setattr(ChunkRecurrentEngine, name,
+                                taking_positions(getattr(ChunkRecurrentEngine, name), seen[name]))
+    main(["train", "--data", out, "--steps", "2", "--eval-every", "2", *SMALL])
     assert re.search(r"step +2/2 +loss \d+\.\d+", capsys.readouterr().out)
-    if "position_ids" not in inspect.signature(original).parameters:
+    if not masking:
         data = make_data(out, 256, 64, 1, seed=0)  # the trainer's stream: packed, seed 0
-        assert len(seen) == 2 and all(torch.equal(p, next(data)[2]) for p in seen)
+        held_out = make_data(out, 256, 64, 1, seed=7_919)  # its held-out batch
+        assert len(seen["forward_backward"]) == 2 and len(seen["evaluate"]) == 1
+        assert all(torch.equal(p, next(data)[2]) for p in seen["forward_backward"])
+        assert torch.equal(seen["evaluate"][0], next(held_out)[2])

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
     p_corpus.add_argument("--max-size", default="", help="text to take for training, e.g. 300MiB (default: all)")
     p_corpus.set_defaults(func=cmd_corpus)
 
-    p_tok = sub.add_parser("tokenize", help="text or chat records -> a .npy token file (and document starts) for --data")
+    p_tok = sub.add_parser("tokenize", help="text or chat records -> a document file (.npy token ids) for --data")
     p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each), .jsonl (a record per line), .json (a "
                                                  "list of records), .parquet, or datasets' save_to_disk directories")
     p_tok.add_argument("--model", required=True, help="a checkpoint directory or hub id with a tokenizer")
