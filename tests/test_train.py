@@ -357,7 +357,7 @@ def test_gradient_accumulation_equals_one_big_batch(monkeypatch, tmp_path, capsy
     torch.manual_seed(1)
     tokens = torch.randint(0, 256, (4, 256))
 
-    def fixed_data(source, vocab, seq_len, batch, seed=0, dtype="uint16", needles=None):
+    def fixed_data(source, vocab, seq_len, batch, seed=0, **_):
         for i in range(0, len(tokens), batch):
             yield tokens[i : i + batch], tokens[i : i + batch]
 

@@ -241,10 +241,11 @@ def cmd_corpus(args) -> None:
 
 
 def cmd_tokenize(args) -> None:
-    from .train.data import tokenize
+    from .train.sources import tokenize
 
-    n = tokenize(args.model, args.inputs, args.output, args.text_field)
-    print(f"wrote {n:,} tokens to {args.output}")
+    n = tokenize(args.model, args.inputs, args.output, args.text_field, args.messages_field)
+    chats = f", {n['chats']:,} of them chats; {n['trained']:,} tokens trained" if n["chats"] else ""
+    print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -343,11 +344,16 @@ def main(argv: list[str] | None = None) -> None:
     p_corpus.add_argument("--max-size", default="", help="text to take for training, e.g. 300MiB (default: all)")
     p_corpus.set_defaults(func=cmd_corpus)
 
-    p_tok = sub.add_parser("tokenize", help="text (.txt, .jsonl) -> a .npy token file for --data")
-    p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each) or .jsonl (a document per line)")
+    p_tok = sub.add_parser("tokenize", help="text or chat records -> a document file (.npy token ids) for --data")
+    p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each), .jsonl (a record per line), .json (a "
+                                                 "list of records), .parquet, or datasets' save_to_disk directories")
     p_tok.add_argument("--model", required=True, help="a checkpoint directory or hub id with a tokenizer")
-    p_tok.add_argument("--output", required=True, help="the .npy file to write")
-    p_tok.add_argument("--text-field", default="text", help="the .jsonl field holding the text")
+    p_tok.add_argument("--output", required=True,
+                       help="the .npy ids to write; NAME.docs.npy (document starts) and, for chats, NAME.mask.npy "
+                            "(trained tokens) go beside it")
+    p_tok.add_argument("--text-field", default="text", help="the records' field holding text (every token trained)")
+    p_tok.add_argument("--messages-field", default="messages",
+                       help="the records' field holding chat turns ({role, content}; the assistant's tokens trained)")
     p_tok.set_defaults(func=cmd_tokenize)
 
     args = parser.parse_args(argv)

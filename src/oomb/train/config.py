@@ -15,6 +15,11 @@ class TrainConfig:
     model: str = "tiny"  # a preset name (oomb.presets) or a local transformers checkpoint
     data: str = "copy"  # 'copy' (built-in long-context task), a .npy token file (oomb tokenize) or a .bin file
     data_dtype: str = "uint16"  # of a .bin file's ids: uint16 | uint32 (vocabularies above 65,536) | int32
+    # a document file (oomb tokenize: .docs.npy beside the ids): True packs whole documents into each sequence
+    # (position_ids restart at each), False takes one document per sequence; None: packed for chat data (a
+    # .mask.npy), windows of the token stream for text
+    pack: bool | None = None
+    drop_long: bool = False  # documents longer than seq_len are left out (default: cut to seq_len, one warning)
     seq_len: int = 4096
     batch: int = 1  # sequences per micro-batch (per data-parallel rank)
     grad_accum: int = 1  # micro-batches per optimizer step (gradients summed, loss normalised over all of them)

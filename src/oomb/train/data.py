@@ -1,4 +1,5 @@
-"""Training data: built-in synthetic long-context tasks, or a flat file of token ids.
+"""Training data: built-in synthetic long-context tasks, a flat file of token ids, or a document
+file (train/documents.py, written by `oomb tokenize`: train/sources.py).
 
 Token files: `.npy` (a 1-D integer array: its dtype travels with it; `oomb tokenize` writes
 them), or raw `.bin` (nanoGPT's format) of `uint16` ids, `uint32` for vocabularies above
@@ -34,8 +35,8 @@ def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Itera
         yield ids, ids
 
 
-def open_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.ndarray:
-    """A token file as a read-only 1-D array, checked: whole tokens, ids < vocab_size."""
+def read_tokens(path: str | Path, dtype: str = "uint16") -> np.ndarray:
+    """A token file as a read-only 1-D array, checked to be whole integer token ids."""
     path = Path(path)
     if path.suffix == ".npy":
         data = np.load(path, mmap_mode="r")
@@ -50,6 +51,13 @@ def open_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.
             raise ValueError(f"{path} is {size:,} bytes, not a whole number of {dtype} token ids; "
                              "is --data-dtype right (uint16 or uint32)?")
         data = np.memmap(path, dtype=dtype, mode="r")
+    return data
+
+
+def open_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.ndarray:
+    """A token file as a read-only 1-D array, checked: whole tokens, ids < vocab_size."""
+    path = Path(path)
+    data = read_tokens(path, dtype)
     top = int(data.max()) if len(data) else -1
     if top >= vocab_size:
         hint = " or the file holds uint32 ids: use --data-dtype uint32" if path.suffix != ".npy" else ""
@@ -91,9 +99,19 @@ def load_tokens(source: str, vocab_size: int, seq_len: int, dtype: str = "uint16
 
 
 def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int = 0, dtype: str = "uint16",
-              needles=None):
-    """Endless training batches of `source` ('copy' or a token file); `needles` (NeedleMix) puts
-    key-value needles into a share of the sequences."""
+              needles=None, pack: bool | None = None, drop_long: bool = False):
+    """Endless training batches of `source`: 'copy', a token file (random windows), or a document
+    file (train/documents.py: `pack`ed, or one document per sequence; pack=None packs chat data
+    and takes windows of text). (input_ids, labels), packed (input_ids, labels, position_ids).
+    `needles` (NeedleMix) puts key-value needles into a share of the windows."""
+    from .documents import data_layout, document_batches, open_documents
+
+    how = data_layout(source, pack)
+    if how != "windows":
+        if needles is not None:
+            raise ValueError(f"needles go into windows of a token stream; {source} is trained as documents "
+                             f"({how}): drop --needle-rate, or train on its windows (leave out --pack/--no-pack)")
+        return document_batches(open_documents(source, vocab_size), seq_len, batch, seed, how == "packed", drop_long)
     if source == "copy":
         stream = copy_task(vocab_size, seq_len, batch, seed)
     else:
@@ -129,45 +147,3 @@ class NeedleMix:
                 row, _ = with_needles(ids[b].numpy(), needles, list(rng.random(self.per_sequence)), ids.shape[1])
                 ids[b] = torch.from_numpy(row)
             yield ids, ids
-
-
-def tokenize(model: str, inputs: list[str], output: str, text_field: str = "text") -> int:
-    """Tokenise text files (.txt: one document each; .jsonl: one document per line, in
-    `text_field`) with `model`'s tokenizer, documents joined by its EOS token, into a .npy
-    token file (uint16 when the vocabulary fits, else uint32). Returns the token count."""
-    import json
-
-    from transformers import AutoTokenizer
-
-    if not output.endswith(".npy"):
-        raise ValueError(f"--output {output!r}: token files are written as .npy (their dtype travels with them)")
-    try:
-        tok = AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"no tokenizer for --model {model!r} (a local checkpoint directory or hub id with "
-                         f"tokenizer files is needed; presets have random weights and no tokenizer): {e}") from None
-    dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
-    pieces = []
-    for path in inputs:
-        with open(path, encoding="utf-8") as f:
-            if path.endswith(".jsonl"):
-                docs = []
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    record = json.loads(line)
-                    if text_field not in record:
-                        raise ValueError(f"{path}:{n} has no {text_field!r} field; set --text-field")
-                    docs.append(record[text_field])
-            else:
-                docs = [f.read()]
-        for doc in docs:
-            ids = tok(doc, add_special_tokens=False)["input_ids"]
-            if tok.eos_token_id is not None:
-                ids.append(tok.eos_token_id)
-            pieces.append(np.asarray(ids, dtype=dtype))
-    tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
-    tmp = output + ".tmp.npy"  # written whole, then renamed: never a half-written token file
-    np.save(tmp, tokens)
-    Path(tmp).replace(output)
-    return len(tokens)

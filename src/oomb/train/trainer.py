@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gc
+import inspect
 import math
 import os
 import shlex
@@ -26,6 +27,7 @@ from ..presets import load_model
 from . import checkpoint
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
+from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
 
@@ -276,11 +278,13 @@ def kept_attention(engine: ChunkRecurrentEngine) -> str:
     return f"kept attention ({len(kept.layers)} of {engine.adapter.n_layers - 1} layers, {kept.where}), "
 
 
-def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
-    same tokens and their losses compare (each data-parallel rank its own share)."""
+    same tokens and their losses compare (each data-parallel rank its own share; a document
+    file's sequences in an order of the rank's own)."""
     source = cfg.eval_data or cfg.data
-    if cfg.eval_data and source != "copy":  # a held-out file: its first windows, each rank its own
+    if cfg.eval_data and source != "copy" and data_layout(source, cfg.pack) == "windows":
+        # a held-out token file: its first windows, each rank its own
         data = load_tokens(source, vocab, cfg.seq_len, cfg.data_dtype, "--eval-data")
         first = dp_rank * cfg.eval_batches * cfg.batch
         need = first + cfg.eval_batches * cfg.batch
@@ -289,8 +293,24 @@ def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[to
                              f"{cfg.seq_len:,}; {need} are needed (eval_batches x batch x data-parallel ranks)")
         return list(windows(data[first * cfg.seq_len :], cfg.seq_len, cfg.batch, cfg.eval_batches * cfg.batch))
     data = make_data(source, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 7_919 + 100_003 * dp_rank,
-                     dtype=cfg.data_dtype)
+                     dtype=cfg.data_dtype, pack=cfg.pack, drop_long=cfg.drop_long)
     return [next(data) for _ in range(cfg.eval_batches)]
+
+
+def positions(batch: tuple) -> dict:
+    """The engine's keyword for a batch's position_ids: packed batches are (input_ids, labels,
+    position_ids), the others (input_ids, labels)."""
+    return {"position_ids": batch[2]} if len(batch) == 3 else {}
+
+
+def check_document_masking(engine: ChunkRecurrentEngine, methods: list[str]) -> None:
+    """Packed batches need engine methods that take position_ids (a document attends only to
+    itself); refused before the first step where they do not."""
+    for name in methods:
+        if "position_ids" not in inspect.signature(getattr(engine, name)).parameters:
+            raise ValueError(f"packed data needs an engine with document masking, and this oomb's "
+                             f"ChunkRecurrentEngine.{name} takes no position_ids; train with --no-pack (one document "
+                             "per sequence)")
 
 
 @torch.no_grad()
@@ -301,8 +321,8 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     model.eval()
     try:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, predicted tokens
-        for input_ids, labels in batches:
-            result = engine.evaluate(input_ids, labels)
+        for batch in batches:
+            result = engine.evaluate(batch[0], batch[1], **positions(batch))
             total += torch.stack([result.loss.double() * result.num_tokens,
                                   torch.tensor(float(result.num_tokens), dtype=torch.float64, device=device)])
     finally:
@@ -351,12 +371,20 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
+    how = data_layout(cfg.data, cfg.pack)
+    if cfg.loss_last and how != "windows":
+        raise ValueError(f"loss_last={cfg.loss_last} trims the labels of windows; {cfg.data} is trained as documents "
+                         f"({how}), whose labels are their own (chat: the assistant's tokens): drop --loss-last")
+    packed_calls = ["forward_backward"] if how == "packed" else []
+    if cfg.eval_every and data_layout(cfg.eval_data or cfg.data, cfg.pack) == "packed":
+        packed_calls.append("evaluate")
+    check_document_masking(engine, packed_calls)
     needles = None
     if cfg.needle_rate:
         needles = NeedleMix(codec_for(cfg.tokenizer, cfg.model, vocab), cfg.needle_template, cfg.needle_rate,
                             cfg.needles_per_sequence)
     data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank,
-                     dtype=cfg.data_dtype, needles=needles)
+                     dtype=cfg.data_dtype, needles=needles, pack=cfg.pack, drop_long=cfg.drop_long)
     held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -377,7 +405,8 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
         layout += " (optimizer state sharded: ZeRO-1)" if zero else ""
         print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
               f"on {device}{layout}, backend {engine.backend}, offload {engine.config.offload}, "
-              f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}, "
+              f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}"
+              f"{' (packed documents)' if how == 'packed' else ' (a document each)' if how == 'documents' else ''}, "
               f"chunk {engine.chunk_size}, page {cfg.page_size}, "
               f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
               f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
@@ -416,23 +445,23 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
             if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
                 micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
                                           labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
-            for input_ids, _ in micro:
+            for input_ids, *_ in micro:
                 if int(input_ids.max()) >= vocab:
                     raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size="
                                      f"{vocab}; the data was tokenised for another model")
             t0 = time.perf_counter()
             # One denominator for the whole step: the predicted tokens of every micro-batch on every
             # data-parallel rank, so the summed gradients are those of one big batch.
-            count = global_token_count(torch.cat([labels for _, labels in micro]), dp_group)  # one all-reduce
+            count = global_token_count(torch.cat([batch[1] for batch in micro]), dp_group)  # one all-reduce
             loss_t = torch.zeros((), dtype=torch.float32, device=device)
             try:
                 while True:
                     try:
-                        for m, (input_ids, labels) in enumerate(micro):
+                        for m, batch in enumerate(micro):
                             desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
                             with chunk_progress(desc, enabled=rank0) as bar:
-                                loss_t += engine.forward_backward(input_ids, labels, num_tokens=count,
-                                                                  progress=progress_of(bar)).loss
+                                loss_t += engine.forward_backward(batch[0], batch[1], num_tokens=count,
+                                                                  progress=progress_of(bar), **positions(batch)).loss
                         break
                     except torch.OutOfMemoryError as e:
                         # The plan was wrong: the run's first step is retried one notch smaller
@@ -472,7 +501,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                       f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
                 logger.log_skipped(step, loss, grad_norm, bad)
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-                logger.log(step, loss, sum(ids.numel() for ids, _ in micro) * dp_size, time.perf_counter() - t0,
+                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, time.perf_counter() - t0,
                            float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
                            # the layers whose pages offload put on the host: what a soak run exercised
                            {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
