@@ -163,3 +163,10 @@ def test_position_ids_errors():
         engine.forward_backward(ids, position_ids=torch.tensor([[0, 1, 2, 3, 4, 6, 7, 8, 9, 10]]))
     with pytest.raises(TypeError, match="position_ids must hold integer positions"):
         engine.evaluate(ids, position_ids=torch.arange(10.0)[None])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_packed_triton_equals_documents_alone(family):
+    """The Triton kernels (interpreted on CPU, float32) with packed documents, in groups of 3 pages."""
+    model = make_model(family)
+    check_packed(model, *packed_batch(), chunk_size=32, page_size=16, backend="triton", group_pages=3)
