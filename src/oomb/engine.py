@@ -416,13 +416,23 @@ class ChunkRecurrentEngine:
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
             with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
-                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse,
+                                         *self._document_pages(c, n_pages))
                 self._selection[c, i] = self.store.copy_to_host(i, selection)  # for stage 2's copies
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,
                                                 docs=self._docs)
             if prefetch:
                 groups.prefetch(False)
         return q, k, v, groups
+
+    def _document_pages(self, c: int, n_pages: int) -> tuple[int, torch.Tensor | None]:
+        """Packed documents, for top-k selection in chunk c: the first page its queries can see,
+        and (B, n_blocks) the page of each query block's first document start; (0, None) unpacked."""
+        if self._docs is None:
+            return 0, None
+        start = c * self.chunk_size
+        firsts = self._docs.key_start[:, start : start + self.chunk_size : self.sparse.block_queries]
+        return min(self._first_pages[c], n_pages), firsts.long() // self.page_size
 
     # -- placement: the step's sizes and measured memory, decided by placement.place() --------
 
