@@ -7,7 +7,8 @@ import triton
 import triton.language as tl
 
 from .paged_forward import (_diagonal_visible, _document_starts, _first_page_tile, _own_key_tiles, _page_kv, _page_pos,
-                            _page_pos_batch, _page_range, _page_slot, _page_tile, _pick, _pick_page_pos, _slot_batch)
+                            _page_pos_batch, _page_range, _page_slot, _page_tile, _pick, _pick_page_pos, _slot_batch,
+                            _tile_start)
 
 
 @triton.jit
@@ -328,7 +329,8 @@ def _paged_attn_bwd_dq(
         for p0 in range(p_lo, p_hi, SLOTS):
             slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
             poss = _page_pos_batch(PagePos, Sel, sel_row, off_b, p0, p_hi, stride_ppb, SLOTS, SPARSE, PACKED)
-            for t in range(tl.maximum(p0 * tiles_per_page, t_lo), tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
+            t_hi = tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page
+            for t in range(_tile_start(p0, t_lo, tiles_per_page, PACKED), t_hi):
                 page_pos = _pick_page_pos(poss, p0, t // tiles_per_page, kpos0, PAGE_SIZE, SLOTS, SPARSE, PACKED)
                 k, v, visible = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, page_pos, window, ks,
                                          stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS,
@@ -339,7 +341,7 @@ def _paged_attn_bwd_dq(
         # The slot loads stay inside this loop: with pointers, from registers (as in the
         # forward) its pages measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, 2026-11-30,
         # ad1f8af; docs/experiments.md).
-        for t in range(tl.maximum(p_lo * tiles_per_page, t_lo), p_hi * tiles_per_page):
+        for t in range(_tile_start(p_lo, t_lo, tiles_per_page, PACKED), p_hi * tiles_per_page):
             slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
             page_pos = _page_pos(PagePos, Sel, sel_row, off_b, t // tiles_per_page, kpos0, stride_ppb, PAGE_SIZE,
                                  SPARSE, PACKED)

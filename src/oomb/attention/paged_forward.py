@@ -106,6 +106,16 @@ def _fwd_program(C, BLOCK_M: tl.constexpr, SPARSE: tl.constexpr):
 
 
 @triton.jit
+def _tile_start(p0, t_lo, tiles_per_page, PACKED: tl.constexpr):
+    """The first page key tile to visit of the pages from p0: packed, not before t_lo
+    (_first_page_tile)."""
+    t0 = p0 * tiles_per_page
+    if PACKED:
+        t0 = tl.maximum(t0, t_lo)
+    return t0
+
+
+@triton.jit
 def _page_pos(PagePos, Sel, sel_row, off_b, i, kpos0, stride_ppb, PAGE_SIZE: tl.constexpr,
               SPARSE: tl.constexpr, PACKED: tl.constexpr):
     """Position of the first key of the i-th page visited, relative to the chunk's start: pages
@@ -270,7 +280,7 @@ def _paged_attn_fwd(
     for p0 in range(p_lo, p_hi, SLOTS):
         slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
         poss = _page_pos_batch(PagePos, Sel, sel_row, off_b, p0, p_hi, stride_ppb, SLOTS, SPARSE, PACKED)
-        for t in range(tl.maximum(p0 * tiles_per_page, t_lo), tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
+        for t in range(_tile_start(p0, t_lo, tiles_per_page, PACKED), tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
             page_pos = _pick_page_pos(poss, p0, t // tiles_per_page, kpos0, PAGE_SIZE, SLOTS, SPARSE, PACKED)
             if TMA:
                 k, v, visible = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, page_pos, window, ks,

@@ -199,8 +199,8 @@ class PagedKVStore:
         group: its pages are the chunk's candidates, its per-block picks index them. A host
         layer's move on the copy engines with `copy_engines` (its host copy is done, or nearly:
         the host waits for it), else by the zero-copy kernel. docs: as page_groups'."""
-        extra = {"selection": selection.blocks, "block_queries": block_queries, "q_start": n_pages * self.spec.page_size,
-                 **_document_fields(docs)}
+        extra = {"selection": selection.blocks, "block_queries": block_queries,
+                 "q_start": n_pages * self.spec.page_size, **_document_fields(docs)}
         if docs is not None:  # the keys' positions, for the documents' mask
             extra["logical"] = selection.pages
         if layer not in self._row:
