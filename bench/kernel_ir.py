@@ -4,6 +4,7 @@ pipeliner treated each loop: whether a loop's loads stay in flight while it comp
     python bench/kernel_ir.py                 # forward, dQ, dK/dV (pages; own keys); dense and top-k; H200
     python bench/kernel_ir.py --dump /tmp/ir  # also write each kernel's TTGIR there
     python bench/kernel_ir.py --kinds hopper  # paged_hopper's Gluon backward (Triton 3.6 only; in the default set there)
+    python bench/kernel_ir.py --packed        # the kernels' packed-documents variants (position_ids)
 
 Each kernel is compiled for sm_90 (ptxas ships with Triton) with the launch settings the GPU
 would use (`_fwd_config` / `_bwd_config`, bf16, head_dim 128, 28/4 heads, pages of 128) and strides
@@ -52,35 +53,37 @@ from oomb.config import KernelOptions  # noqa: E402
 KERNELS = KernelOptions.from_env(os.environ)
 
 SHAPE = dict(GROUP=7, D=128, HEAD_DIM=128, PAGE_SIZE=128, IN_PRECISION="tf32", WINDOWED=False)
+DOCS = dict(KeyStart="*i32", DocEnd="*i32", PagePos="*i32")  # packed documents' tensors
 BF16_GPU_Q = SimpleNamespace(device=SimpleNamespace(type="cuda"), dtype=torch.bfloat16)  # what the configs look at
 DESC = "tensordesc<bf16[1,1,{n},{d}]>"
 
 
-def _kernel(kind: str, sparse: bool) -> tuple:
+def _kernel(kind: str, sparse: bool, packed: bool = False) -> tuple:
     """(jit function, pointer argument types, constexpr values, launch options) as the launchers
-    in oomb.attention.paged would pass them on an H200."""
-    shape = dict(SHAPE, SPARSE=sparse)
+    in oomb.attention.paged would pass them on an H200 (packed: with packed documents)."""
+    shape = dict(SHAPE, SPARSE=sparse, PACKED=packed)
     if kind == "fwd":
         cfg = paged._fwd_config(BF16_GPU_Q, 128)
         desc = DESC.format(n=cfg.BLOCK_N, d=128)
         ptrs = dict(Q="*bf16", K="*bf16", V="*bf16", KP=desc, VP=desc, Table="*i32", Sel="*i32", Span="*i32",
-                    O="*fp32", LSE="*fp32")
+                    O="*fp32", LSE="*fp32", **DOCS)
         const = dict(shape, BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, INCLUDE_SELF=True, TMA=True)
         return paged._paged_attn_fwd, ptrs, const, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     cfg = paged._bwd_config(BF16_GPU_Q, 128)
     if kind == "dq":
         desc = DESC.format(n=cfg.BLOCK_N2, d=128) if KERNELS.dq_tma else "*bf16"
         ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", KP=desc,
-                    VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32")
+                    VP=desc, Table="*i32", Sel="*i32", Span="*i32", DQ="*fp32", **DOCS)
         const = dict(shape, BLOCK_M=cfg.BLOCK_M2, BLOCK_N=cfg.BLOCK_N2, INCLUDE_SELF=True, TMA=KERNELS.dq_tma)
         return paged._paged_attn_bwd_dq, ptrs, const, dict(num_warps=cfg.warps2, num_stages=cfg.stages2)
     if kind == "dkdv_own":  # the chunk's own keys (no pages: dense and top-k are the same kernel)
-        ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32")
+        ptrs = dict(Q="*bf16", DO="*bf16", LSE="*fp32", Delta="*fp32", K="*bf16", V="*bf16", DK="*fp32", DV="*fp32",
+                    **DOCS)
         const = dict(shape, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1)
         return paged._paged_attn_bwd_dkdv_own, ptrs, const, dict(num_warps=cfg.warps1, num_stages=cfg.stages1)
     qdesc = DESC.format(n=cfg.BLOCK_M1, d=128) if KERNELS.dkdv_tma else "*bf16"
     ptrs = dict(Q=qdesc, DO=qdesc, LSE="*fp32", Delta="*fp32", KP="*bf16", VP="*bf16", DKP="*bf16",
-                DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32")
+                DVP="*bf16", Table="*i32", Order="*i32", Visits="*i32", NVisits="*i32", **DOCS)
     const = dict(shape, BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, TMA=KERNELS.dkdv_tma)
     return paged._paged_attn_bwd_dkdv_pages, ptrs, const, dict(num_warps=cfg.warps1, num_stages=cfg.stages1)
 
@@ -106,11 +109,11 @@ def _compile_hopper(arch: int):
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=8))
 
 
-def compile_kernel(kind: str, sparse: bool, arch: int = 90):
+def compile_kernel(kind: str, sparse: bool, arch: int = 90, packed: bool = False):
     """A kernel compiled at the H200 launch settings (.asm: ttgir, ptx, ...; .metadata.shared)."""
     if kind == "hopper":
         return _compile_hopper(arch)
-    fn, ptrs, const, options = _kernel(kind, sparse)
+    fn, ptrs, const, options = _kernel(kind, sparse, packed)
     const.update(SLOTS=paged.SLOT_BATCH, MAX_BLOCKS=32)
     const = {n: v for n, v in const.items() if n in fn.arg_names}
     unknown = [n for n in fn.arg_names if n.isupper() and n not in const and n not in ptrs
@@ -158,10 +161,11 @@ def main() -> None:
     ap.add_argument("--kinds", default=kinds)
     ap.add_argument("--dump", help="a directory for the TTGIR files")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel")
+    ap.add_argument("--packed", action="store_true", help="the kernels' packed-documents variants (not hopper's)")
     args = ap.parse_args()
     for kind in args.kinds.split(","):
         for sparse in (False,) if kind in ("dkdv_own", "hopper") else (False, True):
-            kernel = compile_kernel(kind, sparse)
+            kernel = compile_kernel(kind, sparse, packed=args.packed)
             ir, shared = kernel.asm["ttgir"], kernel.metadata.shared
             if args.dump:
                 os.makedirs(args.dump, exist_ok=True)

@@ -459,3 +459,105 @@ def test_bf16_gradient_pages_cuda(case):
 @gpu
 def test_deterministic_cuda():
     backward_twice("cuda", torch.bfloat16, (1, 28, 4, 512, 128, 128, 16))
+
+
+def random_documents(b, t, seed=2):
+    """Documents (attention/documents.py) of B sequences of t tokens: random boundaries, among them
+    one-token documents, different in every sequence."""
+    from oomb.attention.documents import documents
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(b):
+        starts = torch.randperm(t - 1, generator=g)[: max(1, t // 9)] + 1
+        cut = torch.zeros(t, dtype=torch.bool)
+        cut[starts] = True
+        cut[0] = True
+        pos, n = [], 0
+        for i in range(t):
+            n = 0 if cut[i] else n + 1
+            pos.append(n)
+        rows.append(pos)
+    return documents(torch.tensor(rows))
+
+
+def packed_case(shape, dtype, gathered=False, kernels=None):
+    """Kernels vs the torch reference with packed documents: o, dq, dk, dv and the pages' dK/dV.
+    shape = (B, H, Hkv, C, D, P, n_pages, first_page, block): the chunk follows first_page +
+    n_pages pages; the group is n_pages pages from first_page (dense), or, with `block`, a top-k
+    selection per query block among n_pages pages gathered from all earlier ones (`gathered`: the
+    group's columns are random logical pages, as a sparse group's candidates)."""
+    b, h, n_kv, c, d, page_size, n_pages, first_page, block = shape
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(b, h, n_kv, c, d, page_size, n_pages, dtype, "cpu")
+    q_start = (first_page + n_pages) * page_size
+    docs = random_documents(b, q_start + c)
+    extra = dict(q_start=q_start, key_start=docs.key_start, doc_end=docs.doc_end)
+    if block:
+        g = torch.Generator().manual_seed(5)
+        sel = torch.stack([torch.randperm(n_pages, generator=g)[:3].sort().values
+                           for _ in range(b * n_kv * -(-c // block))]).view(b, n_kv, -1, 3).int()
+        extra.update(selection=sel, block_queries=block)
+        if gathered:
+            extra["logical"] = torch.stack([torch.randperm(first_page + n_pages, generator=g)[:n_pages].sort().values
+                                            for _ in range(b)]).int()
+            first_page = 0
+    results = {}
+    for name, fn in (("triton", partial(paged_attention_triton, kernels=kernels)), ("torch", paged_attention_torch)):
+        pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table, first_page, **extra)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*leaves, pages, SCALE)
+        o.backward(do)
+        results[name] = [o] + [x.grad for x in leaves] + [pages.dk, pages.dv]
+    rel = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dk pool", "dv pool"), results["triton"], results["torch"]):
+        e, scale = (got.float() - want.float()).abs().max().item(), max(1.0, want.float().abs().max().item())
+        assert e <= rel * scale, f"{name}: max error {e:.3g} > {rel} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-pointers", "fp16-descriptors"])
+@pytest.mark.parametrize("shape", [(2, 8, 2, 97, 16, 16, 3, 2, 0), (1, 7, 1, 40, 24, 32, 2, 0, 0),
+                                   (2, 4, 2, 64, 16, 16, 4, 1, 32)],
+                         ids=["dense-later-group", "dense-GQA7", "top-k"])
+def test_packed_documents_match_reference(shape, dtype):
+    """Packed documents (a query sees its own document's keys only): boundaries anywhere in the
+    pages and the chunk, one-token documents, GQA; the dense kernels skip the tiles before a
+    query tile's documents, the top-k ones mask the selected pages by document."""
+    packed_case(shape, dtype)
+
+
+def test_packed_documents_gathered_pages():
+    """A gathered sparse group (its columns: logical pages out of order with the table): key
+    positions come from pages.logical."""
+    packed_case((2, 4, 2, 64, 16, 16, 4, 2, 32), torch.float32, gathered=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32-pointers", "fp16-descriptors"])
+def test_packed_pages_of_finished_documents_are_skipped(dtype):
+    """Page tiles wholly before a chunk's first document are skipped, not masked: NaN keys and
+    values there (a masked product would still multiply them) leave every result finite and
+    equal to the reference's with clean pages. Sequence 0's first document starts 20 keys before
+    the chunk, sequence 1's with it (no page is read)."""
+    from oomb.attention.documents import documents
+    b, h, n_kv, c, d, page_size, n_pages = 2, 4, 2, 40, 16, 16, 4
+    q, k, v, kp, vp, dk0, dv0, table, do = make_case(b, h, n_kv, c, d, page_size, n_pages, dtype, "cpu")
+    q_start = n_pages * page_size
+    pos = torch.stack([torch.cat([torch.arange(q_start - 20), torch.arange(c + 20)]),
+                       torch.cat([torch.arange(q_start), torch.arange(c)])])
+    docs = documents(pos)
+    poisoned_kp, poisoned_vp = kp.clone(), vp.clone()
+    for row, first_seen in ((0, q_start - 20), (1, q_start)):
+        dead = table[row, : first_seen // page_size].long()  # pages wholly before the first document
+        poisoned_kp[dead] = float("nan")
+        poisoned_vp[dead] = float("nan")
+    results = {}
+    for name, fn, pools in (("triton", paged_attention_triton, (poisoned_kp, poisoned_vp)),
+                            ("torch", paged_attention_torch, (kp, vp))):
+        pages = LayerPages(*pools, dk0.clone(), dv0.clone(), table, 0, q_start=q_start, key_start=docs.key_start,
+                           doc_end=docs.doc_end)
+        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
+        o = fn(*leaves, pages, SCALE)
+        o.backward(do)
+        results[name] = [o] + [x.grad for x in leaves] + [pages.dk, pages.dv]
+    rel = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]
+    for name, got, want in zip(("o", "dq", "dk", "dv", "dk pool", "dv pool"), results["triton"], results["torch"]):
+        e, scale = (got.float() - want.float()).abs().max().item(), max(1.0, want.float().abs().max().item())
+        assert e <= rel * scale, f"{name}: max error {e:.3g} > {rel} x {scale:.3g}"

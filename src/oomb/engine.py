@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .attention import attention_with_lse, paged_attention, resolve_backend
+from .attention.documents import Documents, check_positions, documents
 from .attention.sparse import Selection, select_pages
 from .config import EngineConfig
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
@@ -101,6 +102,8 @@ class ChunkRecurrentEngine:
             if self.adapter.local_kv_heads == self.adapter.n_kv_heads:  # not under TP: plain tensors
                 self._fused_ce = torch.compile(ce_and_grad, dynamic=False)
         self._seq_len = 0  # of the step being computed
+        self._docs: Documents | None = None  # its packed documents (position_ids), or None
+        self._first_pages: list[int] = []  # packed: per chunk, the first page its queries can see
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype,
                              config.kv_grad_dtype)
         pages_per_chunk = chunk_size // page_size
@@ -125,7 +128,8 @@ class ChunkRecurrentEngine:
     # -- the step -----------------------------------------------------------------------------
 
     def forward_backward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                         num_tokens: int | None = None, progress=None) -> StepResult:
+                         num_tokens: int | None = None, progress=None,
+                         position_ids: torch.Tensor | None = None) -> StepResult:
         """Loss of `model(input_ids, labels=labels)` and its gradients, accumulated into .grad.
 
         input_ids: (B, T) integer token ids, T >= 2. labels: (B, T), default input_ids;
@@ -134,11 +138,19 @@ class ChunkRecurrentEngine:
         gradient accumulation over micro-batches or ranks: pass the global count).
         progress: called as progress(done, total) after each chunk pass (stage 1's n - 1, then
         stage 2's n), from the host thread as it queues work (no GPU sync).
+        position_ids: (B, T) packed documents, as transformers' DataCollatorWithFlattening makes
+        them: a document starts wherever they restart at 0 and counts up by 1 a token. Each token
+        attends only to the tokens of its own document up to itself, and RoPE rotates it by its
+        position in the document (as that document alone). No loss term crosses a boundary: the
+        label of a document's first token (position 0) is never predicted, whatever `labels`
+        hold there (the collator writes -100 there; labels without it are masked the same), and
+        is not counted in num_tokens. The loss and gradients are those of the documents trained
+        one by one, summed, over the batch's count. None: every sequence is one document.
         """
         if not self.spec.grads:
             raise ValueError("this engine was made with kv_grad_dtype=None (evaluation only: its pages have no "
                              "dK/dV); use evaluate(), or make the engine with kv_grad_dtype=torch.float32 to train")
-        input_ids, labels, count, bounds = self._prepare(input_ids, labels)
+        input_ids, labels, count, bounds = self._prepare(input_ids, labels, position_ids)
         batch = input_ids.shape[0]
         denominator = count if num_tokens is None else num_tokens
         self.adapter.check_trainable()
@@ -193,12 +205,14 @@ class ChunkRecurrentEngine:
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress=None,
-                 per_token: bool = False, probe: Probe | None = None) -> StepResult:
+                 per_token: bool = False, probe: Probe | None = None,
+                 position_ids: torch.Tensor | None = None) -> StepResult:
         """Loss only (no gradients): one stage-1 pass over every chunk, LM head included;
         progress(done, total) after each chunk. per_token: also each token's cross entropy and
-        argmax prediction (StepResult.token_losses, .predictions). probe: see Probe (diagnostics
-        such as top-k selection recall; it reads, never changes, what the step computes)."""
-        input_ids, labels, count, bounds = self._prepare(input_ids, labels)
+        argmax prediction (StepResult.token_losses, .predictions; NaN at a document's first
+        token). probe: see Probe (diagnostics such as top-k selection recall; it reads, never
+        changes, what the step computes). position_ids: packed documents, as forward_backward's."""
+        input_ids, labels, count, bounds = self._prepare(input_ids, labels, position_ids)
         batch, seq_len = input_ids.shape
         pages_per_chunk = self.chunk_size // self.page_size
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk, training=False)
@@ -284,7 +298,7 @@ class ChunkRecurrentEngine:
         a = self.adapter
         first_page = c * (self.chunk_size // self.page_size)
         h = a.embed_tokens(ids)  # (B, C, hidden)
-        cos, sin = a.rope(h, start, self._seq_len)
+        cos, sin = a.rope(h, start, self._seq_len, self._docs)
         ahead = None  # the next layer's groups, when known before its projections (dense)
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
@@ -349,7 +363,7 @@ class ChunkRecurrentEngine:
         self.kept.prefetch(c)  # the first layers' kept attention outputs, when they are on the host
         with torch.enable_grad():
             h = a.embed_tokens(ids)
-            cos, sin = a.rope(h, start, self._seq_len)
+            cos, sin = a.rope(h, start, self._seq_len, self._docs)
             for i, layer in enumerate(a.layers):
                 if self.config.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
@@ -378,10 +392,12 @@ class ChunkRecurrentEngine:
         window = self.adapter.window(i)
         # Sliding-window layers attend densely to the few pages they reach; dense_layers to all.
         if self.sparse is None or window or i in self._dense_layers:
-            return self.store.page_groups(i, n_pages, window=window)
+            # Packed: pages of documents that ended before the chunk's first one are never read.
+            first = self._first_pages[c] if self._docs is not None else 0
+            return self.store.page_groups(i, n_pages, window=window, first_page=first, docs=self._docs)
         if (c, i) in self._selection:  # kept: its host copy is long done, the copy engines can move its pages
             return self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,
-                                              copy_engines=True)
+                                              copy_engines=True, docs=self._docs)
         return None
 
     def _project(self, c: int, i: int, layer, h, cos, sin, n_pages: int, prefetch: bool, groups=None):
@@ -400,12 +416,23 @@ class ChunkRecurrentEngine:
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
             with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
-                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse)
+                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse,
+                                         *self._document_pages(c, n_pages))
                 self._selection[c, i] = self.store.copy_to_host(i, selection)  # for stage 2's copies
-            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries)
+            groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,
+                                                docs=self._docs)
             if prefetch:
                 groups.prefetch(False)
         return q, k, v, groups
+
+    def _document_pages(self, c: int, n_pages: int) -> tuple[int, torch.Tensor | None]:
+        """Packed documents, for top-k selection in chunk c: the first page its queries can see,
+        and (B, n_blocks) the page of each query block's first document start; (0, None) unpacked."""
+        if self._docs is None:
+            return 0, None
+        start = c * self.chunk_size
+        firsts = self._docs.key_start[:, start : start + self.chunk_size : self.sparse.block_queries]
+        return min(self._first_pages[c], n_pages), firsts.long() // self.page_size
 
     # -- placement: the step's sizes and measured memory, decided by placement.place() --------
 
@@ -553,9 +580,10 @@ class ChunkRecurrentEngine:
 
     # -- helpers ------------------------------------------------------------------------------
 
-    def _prepare(self, input_ids, labels):
+    def _prepare(self, input_ids, labels, position_ids=None):
         """Checked (input_ids, labels) on the model's device, the predicted-token count and
-        the chunks' (start, end) bounds."""
+        the chunks' (start, end) bounds; the step's packed documents (self._docs, or None) and the
+        first page each chunk's queries can see (self._first_pages)."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
         if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
@@ -577,12 +605,20 @@ class ChunkRecurrentEngine:
                 "labels are per input position (shifted inside, as in transformers)"
             )
         input_ids, labels = input_ids.to(self.device, torch.long), labels.to(self.device, torch.long)
+        seq_len = input_ids.shape[1]
+        bounds = [(s, min(s + self.chunk_size, seq_len)) for s in range(0, seq_len, self.chunk_size)]
+        self._docs, self._first_pages = None, []
+        if position_ids is not None:
+            positions = check_positions(position_ids, tuple(input_ids.shape)).to(self.device)
+            # A document's first token is predicted by the last token of the one before: never a target.
+            labels = labels.masked_fill(positions == 0, IGNORE_INDEX)
+            self._docs = documents(positions)
+            starts = self._docs.key_start[:, [start for start, _ in bounds]].amin(0)  # (n_chunks,)
+            self._first_pages = (starts // self.page_size).tolist()  # one host copy a step
         count = int((labels[:, 1:] != IGNORE_INDEX).sum())
         if count == 0:
             raise ValueError("labels predict no token (all of labels[:, 1:] are -100); nothing to train on")
-        seq_len = input_ids.shape[1]
         self._seq_len = seq_len  # length-dependent RoPE sees the whole sequence's (adapter.rope)
-        bounds = [(s, min(s + self.chunk_size, seq_len)) for s in range(0, seq_len, self.chunk_size)]
         return input_ids, labels, count, bounds
 
     def _rng_devices(self) -> list:

@@ -20,8 +20,9 @@ share, as reference.backward does, and the pages' share of dK/dV is added into t
 gradient pages.
 
 What the op cannot express without a materialised mask runs in reference.py instead:
-sparse groups (each block of queries sees its own selection of pages) and sliding windows
-(GPT-OSS's windowed layers; their full-attention layers, sinks included, take the fused op).
+sparse groups (each block of queries sees its own selection of pages), sliding windows
+(GPT-OSS's windowed layers; their full-attention layers, sinks included, take the fused op) and
+packed documents (each query sees its own document's keys only).
 So do tensors that are not on the CPU (the torch backend on CUDA), a torch without the op, and
 every group under KernelOptions(cpu_flash=False) (OOMB_CPU_FLASH=0 at the command line).
 Math is in fp32 (fp64 inputs: in fp64), like the reference.
@@ -55,7 +56,7 @@ def fused(q: torch.Tensor, pages: LayerPages, kernels=None) -> bool:
     """Whether a group runs in the fused op (else: reference.py); kernels: an oomb.KernelOptions
     (cpu_flash=False: every group through reference.py, for before/after runs)."""
     return ((kernels is None or kernels.cpu_flash) and q.device.type == "cpu" and pages.selection is None and not pages.window
-            and fused_ops() is not None)
+            and pages.key_start is None and fused_ops() is not None)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:

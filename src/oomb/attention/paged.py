@@ -100,6 +100,12 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pages: LayerPages)
         if pages.dk.dtype not in GRAD_DTYPES or pages.dv.dtype != pages.dk.dtype:
             raise ValueError(f"gradient pages must share one dtype of {GRAD_DTYPES} (the kernels add in fp32 and "
                              f"round once into them); got {pages.dk.dtype}/{pages.dv.dtype}")
+    if pages.key_start is not None:
+        need = (b, pages.q_start + c)
+        for name, x in (("key_start", pages.key_start), ("doc_end", pages.doc_end)):
+            if x is None or x.dtype != torch.int32 or x.dim() != 2 or x.shape[0] != b or x.shape[1] < need[1]:
+                raise ValueError(f"pages.{name} must be int32 (B={b}, T >= q_start + C = {need[1]}) "
+                                 f"(attention/documents.py); got {None if x is None else (x.dtype, tuple(x.shape))}")
     # Internal layout invariants of the store (pools made with empty_like share strides).
     assert pages.k.stride() == pages.v.stride(), "k and v pools must share strides"
     assert pages.dk is None or pages.dk.stride() == pages.dv.stride(), "dk and dv pools must share strides"
@@ -206,6 +212,26 @@ def _sparse_args(pages: LayerPages, c: int) -> dict:
                 block_q=pages.block_queries, SPARSE=True)
 
 
+def _document_args(pages: LayerPages) -> dict:
+    """Kernel arguments of packed documents (dummies without): KeyStart and DocEnd (B, T) int32
+    (contiguous, one row stride), q_start, and for a sparse group PagePos (B, n_pages) int32, the
+    first key of each table column's page relative to the chunk's start."""
+    device = pages.table.device
+    dummy = torch.zeros(2, dtype=torch.int32, device=device)
+    if pages.key_start is None:
+        return dict(KeyStart=dummy, DocEnd=dummy, PagePos=dummy, stride_ksb=0, stride_ppb=0, q_start=0, PACKED=False)
+    key_start, doc_end = pages.key_start.contiguous(), pages.doc_end.contiguous()
+    page_pos = dummy
+    if pages.selection is not None:
+        logical = pages.logical
+        if logical is None:
+            logical = torch.arange(pages.first_page, pages.first_page + pages.n_pages, device=device).expand(
+                pages.table.shape[0], -1)
+        page_pos = (logical.long() * pages.k.shape[2] - pages.q_start).to(torch.int32).contiguous()  # (B, n)
+    return dict(KeyStart=key_start, DocEnd=doc_end, PagePos=page_pos, stride_ksb=key_start.stride(0),
+                stride_ppb=page_pos.stride(0) if page_pos.dim() == 2 else 0, q_start=pages.q_start, PACKED=True)
+
+
 def _page_visits(pages: LayerPages) -> dict:
     """The dK/dV kernel's view of a sparse selection: which query blocks chose each page.
 
@@ -249,13 +275,16 @@ def _forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True
     grid = (n_m * b * h,) if sp["SPARSE"] else (n_m, b * h)  # _fwd_program's launch orders
     _check_blocks(sp, cfg.BLOCK_M)
     kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and pages.n_pages > 0)
+    docs = _document_args(pages)
     _paged_attn_fwd[grid](
-        q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], o, lse,
+        q, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], docs["KeyStart"], docs["PagePos"], o, lse,
         *q.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(), *o.stride(),
+        docs["stride_ksb"], docs["stride_ppb"],
         c, pages.n_pages, scale * RCP_LN2, h, sp["n_blocks"], sp["max_sel"], sp["block_q"], *_window_args(pages),
+        docs["q_start"],
         GROUP=h // n_kv, D=d, HEAD_DIM=_head_dim_block(d), PAGE_SIZE=page_size,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=block_n, IN_PRECISION=_precision(q), INCLUDE_SELF=include_self,
-        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
+        SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH, PACKED=docs["PACKED"],
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
@@ -317,10 +346,12 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     )
 
     sp = _sparse_args(pages, c)
+    docs = _document_args(pages)
     _check_blocks(sp, cfg.BLOCK_M1)
     _check_blocks(sp, cfg.BLOCK_M2)
     # On Hopper, dense pages with gradients: dK/dV and the pages' dQ in one Gluon kernel (five tile
-    # products, not seven); the dQ kernel below then runs over the chunk's own keys only.
+    # products, not seven); the dQ kernel below then runs over the chunk's own keys only. Packed
+    # documents take the Triton kernels (paged_hopper.eligible): the Gluon kernel has no document mask.
     dq_pages = None
     if kernels.gluon and paged_hopper.eligible(q, pages):
         dq_pages = paged_hopper.backward_pages(do, q, lse, delta, pages, scale)  # (B, H, C, D) fp32
@@ -331,14 +362,15 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         q_in, do_in, tma = _descriptors((q, do), cfg.BLOCK_M1, d, kernels.tma and kernels.dkdv_tma)
         _paged_attn_bwd_dkdv_pages[grid](
             q_in, do_in, lse, delta, pages.k, pages.v, pages.dk, pages.dv, pages.table, visits["Order"],
-            visits["Visits"], visits["NVisits"],
+            visits["Visits"], visits["NVisits"], docs["KeyStart"], docs["DocEnd"], docs["PagePos"],
             *q.stride(), *do.stride(), *pages.k.stride(), *pages.dk.stride(), *pages.table.stride(),
+            docs["stride_ksb"], docs["stride_ppb"],
             c, scale * RCP_LN2, scale, h, n_kv, pages.n_pages, sp["n_blocks"] if sp["SPARSE"] else 1, sp["block_q"],
-            *_window_args(pages),
+            *_window_args(pages), docs["q_start"],
             GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
             BLOCK_M=cfg.BLOCK_M1, BLOCK_N=block_n, IN_PRECISION=precision, SPARSE=sp["SPARSE"],
             WINDOWED=pages.window > 0, MAX_BLOCKS=triton.next_power_of_2(sp["n_blocks"] if sp["SPARSE"] else 1),
-            TMA=tma, **launch1,
+            TMA=tma, PACKED=docs["PACKED"], **launch1,
         )
 
     dk = dv = None
@@ -348,12 +380,12 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
         dk = torch.empty((b, h, c, d), dtype=share, device=k.device)
         dv = torch.empty((b, h, c, d), dtype=share, device=v.device)
         _paged_attn_bwd_dkdv_own[(b * h, triton.cdiv(c, cfg.BLOCK_N1))](
-            q, do, lse, delta, k, v, dk, dv,
-            *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(),
-            c, scale * RCP_LN2, scale, h, pages.window,
+            q, do, lse, delta, k, v, dk, dv, docs["KeyStart"], docs["DocEnd"],
+            *q.stride(), *do.stride(), *k.stride(), *v.stride(), *dk.stride(), docs["stride_ksb"],
+            c, scale * RCP_LN2, scale, h, pages.window, docs["q_start"],
             GROUP=group, D=d, HEAD_DIM=head_dim,
             BLOCK_M=cfg.BLOCK_M1, BLOCK_N=cfg.BLOCK_N1, IN_PRECISION=precision, WINDOWED=pages.window > 0,
-            **launch1,
+            PACKED=docs["PACKED"], **launch1,
         )
         if group > 1:
             dk = dk.view(b, n_kv, group, c, d).sum(2).to(k.dtype)
@@ -368,14 +400,15 @@ def _backward(do, q, k, v, o, lse, pages: LayerPages, scale: float, include_self
     block_n = min(cfg.BLOCK_N2, page_size)
     kp, vp, tma = _descriptors((pages.k, pages.v), block_n, d, kernels.tma and kernels.dq_tma and n_pages > 0)
     _paged_attn_bwd_dq[(triton.cdiv(c, cfg.BLOCK_M2), b * h)](
-        q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], dq,
+        q, do, lse, delta, k, v, kp, vp, pages.table, sp["Sel"], sp["Span"], docs["KeyStart"], docs["PagePos"], dq,
         *q.stride(), *do.stride(), *k.stride(), *v.stride(), *pages.k.stride(), *pages.table.stride(),
-        *dq.stride(),
+        *dq.stride(), docs["stride_ksb"], docs["stride_ppb"],
         c, n_pages, scale * RCP_LN2, scale, h, sp["n_blocks"], sp["max_sel"], sp["block_q"],
-        *_window_args(pages),
+        *_window_args(pages), docs["q_start"],
         GROUP=group, D=d, HEAD_DIM=head_dim, PAGE_SIZE=page_size,
         BLOCK_M=cfg.BLOCK_M2, BLOCK_N=block_n, IN_PRECISION=precision,
         INCLUDE_SELF=include_self, SPARSE=sp["SPARSE"], WINDOWED=pages.window > 0, TMA=tma, SLOTS=SLOT_BATCH,
+        PACKED=docs["PACKED"],
         num_warps=cfg.warps2, num_stages=cfg.stages2,
     )
     if dq_pages is not None:

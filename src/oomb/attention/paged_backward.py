@@ -6,8 +6,9 @@ the grids; the semantics are attention/reference.py's.
 import triton
 import triton.language as tl
 
-from .paged_forward import (_diagonal_visible, _own_key_tiles, _page_kv, _page_range, _page_slot, _page_tile, _pick,
-                            _slot_batch)
+from .paged_forward import (_diagonal_visible, _document_starts, _first_page_tile, _own_key_tiles, _page_kv, _page_pos,
+                            _page_pos_batch, _page_range, _page_slot, _page_tile, _pick, _pick_page_pos, _slot_batch,
+                            _tile_start)
 
 
 @triton.jit
@@ -41,13 +42,16 @@ def _paged_attn_bwd_preprocess(
 # P is recomputed from the saved LSE: with qk = S / ln 2 and lse2 = LSE / ln 2,
 # P = exp2(qk - lse2). GQA: dK/dV of a KV head sum over the G query heads of its group.
 # Query rows past the chunk (padding) load q = dO = 0 and lse = +inf, so their P is 0.
+# Packed documents: P is 0 where a key precedes the query's document (KeyStart), and a key
+# tile's backward visits only the query tiles before its document's end (DocEnd).
 
 
 @triton.jit
 def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                    stride_qb, stride_qh, stride_qm, stride_qd, stride_dob, stride_doh, stride_dom, stride_dod,
                    C, H, qk_scale, MASK: tl.constexpr, IN_PRECISION: tl.constexpr, kpos, window,
-                   WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr):
+                   WINDOWED: tl.constexpr, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, TMA: tl.constexpr,
+                   KeyStart, stride_ksb, q_start, PACKED: tl.constexpr):
     """Query head off_h's tile of rows start_m .. into dK/dV of a key tile k, v (BLOCK_N,
     HEAD_DIM). Rows past the chunk load q = dO = 0 and LSE +inf, so their P is 0. TMA: Q and DO
     are tensor descriptors of (B, H, C, D) with (1, 1, BLOCK_M, HEAD_DIM) blocks, else pointers
@@ -76,6 +80,9 @@ def _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_
         pT = tl.where(offs_m[None, :] >= offs_n[:, None], pT, 0.0)
     if WINDOWED:  # sliding window: key at kpos (relative to the chunk) visible iff kpos > i - window
         pT = tl.where(kpos[:, None] > offs_m[None, :] - window, pT, 0.0)
+    if PACKED:  # documents: key at kpos visible iff at or after the query's document start
+        ks = _document_starts(KeyStart, off_b, q_start, offs_m, C, stride_ksb, PACKED)
+        pT = tl.where(kpos[:, None] >= ks[None, :], pT, 0.0)
     dv += tl.dot(pT.to(do.dtype), do, input_precision=IN_PRECISION)
     delta = tl.load(Delta + row + offs_m, mask=mask_m, other=0.0)
     dsT = pT * (dpT - delta[None, :])
@@ -108,16 +115,18 @@ def _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_s
 
 @triton.jit
 def _paged_attn_bwd_dkdv_pages(
-    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits,
+    Q, DO, LSE, Delta, KP, VP, DKP, DVP, Table, Order, Visits, NVisits, KeyStart, DocEnd, PagePos,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_ps, stride_ph, stride_pn, stride_pd,  # KP and VP pools
     stride_gs, stride_gh, stride_gn, stride_gd,  # DKP and DVP gradient pools
     stride_tb, stride_tp,
-    C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0,
+    stride_ksb, stride_ppb,  # KeyStart and DocEnd (same strides), PagePos
+    C, qk_scale, scale, H, HKV, n_pages, n_blocks, block_q, window, kpos0, q_start,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr,
     SPARSE: tl.constexpr, WINDOWED: tl.constexpr, MAX_BLOCKS: tl.constexpr, TMA: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One program per (key tile of an earlier page, b, KV head): the only writer of its slice
     of the gradient pages, so the read-modify-write needs no atomics. TMA: Q and DO are tensor
@@ -153,7 +162,10 @@ def _paged_attn_bwd_dkdv_pages(
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
     # Every query that reads an earlier key sees all of it: no causal mask.
-    kpos = kpos0 + page * PAGE_SIZE + offs_n
+    page_pos = kpos0 + page * PAGE_SIZE  # relative to the chunk's start
+    if SPARSE and PACKED:
+        page_pos = tl.load(PagePos + off_b * stride_ppb + page)
+    kpos = page_pos + offs_n
     if SPARSE:
         row = off_bkv.to(tl.int64) * n_pages + page
         tiles_per_block = block_q // BLOCK_M
@@ -169,12 +181,16 @@ def _paged_attn_bwd_dkdv_pages(
             dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                                     stride_qb, stride_qh, stride_qm, stride_qd,
                                     stride_dob, stride_doh, stride_dom, stride_dod,
-                                    C, H, qk_scale, False, IN_PRECISION, kpos, window, False, BLOCK_M, HEAD_DIM, TMA)
+                                    C, H, qk_scale, False, IN_PRECISION, kpos, window, False, BLOCK_M, HEAD_DIM, TMA,
+                                    KeyStart, stride_ksb, q_start, PACKED)
     else:
         # Sliding window: only queries i < kpos + window see these keys (positions relative to the chunk).
         q_hi = C
         if WINDOWED:
             q_hi = tl.minimum(C, kpos0 + page * PAGE_SIZE + start_n + BLOCK_N - 1 + window)
+        if PACKED:  # documents: only queries before the end of the tile's last key's document
+            q_hi = tl.minimum(q_hi, tl.load(DocEnd + off_b * stride_ksb + q_start + page_pos + start_n + BLOCK_N - 1)
+                              - q_start)
         for g in range(GROUP):
             off_h = off_kvh * GROUP + g
             for start_m in range(0, q_hi, BLOCK_M):
@@ -182,7 +198,7 @@ def _paged_attn_bwd_dkdv_pages(
                                         stride_qb, stride_qh, stride_qm, stride_qd,
                                         stride_dob, stride_doh, stride_dom, stride_dod,
                                         C, H, qk_scale, False, IN_PRECISION, kpos, window,
-                                        WINDOWED, BLOCK_M, HEAD_DIM, TMA)
+                                        WINDOWED, BLOCK_M, HEAD_DIM, TMA, KeyStart, stride_ksb, q_start, PACKED)
 
     dk *= scale  # dK = scale * dS^T Q
     g_offs = slot * stride_gs + off_kvh * stride_gh + offs_n[:, None] * stride_gn + offs_d[None, :] * stride_gd
@@ -196,15 +212,17 @@ def _paged_attn_bwd_dkdv_pages(
 
 @triton.jit
 def _paged_attn_bwd_dkdv_own(
-    Q, DO, LSE, Delta, K, V, DK, DV,
+    Q, DO, LSE, Delta, K, V, DK, DV, KeyStart, DocEnd,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,  # DK and DV outputs (same strides)
-    C, qk_scale, scale, H, window,
+    stride_ksb,  # KeyStart and DocEnd (same strides)
+    C, qk_scale, scale, H, window, q_start,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, WINDOWED: tl.constexpr,
+    PACKED: tl.constexpr,
 ):
     """One program per (b, query head, key tile of the chunk): the query head's share of the key
     tile's dK/dV, from the query tiles that can see it (those at or after it), into DK/DV
@@ -234,17 +252,23 @@ def _paged_attn_bwd_dkdv_own(
         dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                                 stride_qb, stride_qh, stride_qm, stride_qd,
                                 stride_dob, stride_doh, stride_dom, stride_dod,
-                                C, H, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False)
+                                C, H, qk_scale, True, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False,
+                                KeyStart, stride_ksb, q_start, PACKED)
     # Later query tiles see the whole key tile: no mask (but the window's, which also ends the
-    # loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys).
+    # loop: queries at or past start_n + BLOCK_N - 1 + window see none of these keys; and the
+    # documents', which ends it at the end of the tile's last key's document).
     q_hi = C
     if WINDOWED:
         q_hi = tl.minimum(C, start_n + BLOCK_N - 1 + window)
+    if PACKED:
+        last = tl.minimum(start_n + BLOCK_N, C) - 1
+        q_hi = tl.minimum(q_hi, tl.load(DocEnd + off_b * stride_ksb + q_start + last) - q_start)
     for start_m in range(start_n + BLOCK_N, q_hi, BLOCK_M):
         dk, dv = _attn_bwd_dkdv(dk, dv, k, v, Q, DO, LSE, Delta, off_b, off_h, start_m, offs_n, offs_d, mask_d,
                                 stride_qb, stride_qh, stride_qm, stride_qd,
                                 stride_dob, stride_doh, stride_dom, stride_dod,
-                                C, H, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False)
+                                C, H, qk_scale, False, IN_PRECISION, offs_n, window, WINDOWED, BLOCK_M, HEAD_DIM, False,
+                                KeyStart, stride_ksb, q_start, PACKED)
 
     dk *= scale
     out_offs = off_b * stride_dkb + off_h * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd
@@ -254,7 +278,7 @@ def _paged_attn_bwd_dkdv_own(
 
 @triton.jit
 def _paged_attn_bwd_dq(
-    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, DQ,
+    Q, DO, LSE, Delta, K, V, KP, VP, Table, Sel, Span, KeyStart, PagePos, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_kb, stride_kh, stride_kn, stride_kd,
@@ -262,10 +286,11 @@ def _paged_attn_bwd_dq(
     stride_ps, stride_ph, stride_pn, stride_pd,
     stride_tb, stride_tp,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q, window, kpos0,
+    stride_ksb, stride_ppb,
+    C, n_pages, qk_scale, scale, H, n_blocks, max_sel, block_q, window, kpos0, q_start,
     GROUP: tl.constexpr, D: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IN_PRECISION: tl.constexpr, INCLUDE_SELF: tl.constexpr,
-    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr, SLOTS: tl.constexpr,
+    SPARSE: tl.constexpr, WINDOWED: tl.constexpr, TMA: tl.constexpr, SLOTS: tl.constexpr, PACKED: tl.constexpr,
 ):
     """One program per (query tile, b, head); loops over the page key tiles, then the chunk.
     TMA: KP and VP are tensor descriptors of the pools (block (1, 1, BLOCK_N, HEAD_DIM)) and the
@@ -294,31 +319,43 @@ def _paged_attn_bwd_dq(
     kv_mask = mask_d[:, None]
     sel_row = ((off_b * (H // GROUP) + off_kvh) * n_blocks + (start_m * BLOCK_M) // block_q) * max_sel
     p_lo, p_hi = _page_range(Span, sel_row // max_sel, n_pages, SPARSE)
+    ks = _document_starts(KeyStart, off_b, q_start, offs_m, C, stride_ksb, PACKED)  # (BLOCK_M,)
+    ks_lo = tl.min(ks)
+    t_lo = 0
+    if not SPARSE:  # as the forward: page tiles wholly before the tile's documents are skipped
+        t_lo = _first_page_tile(ks_lo, kpos0, BLOCK_N, PACKED)
+        p_lo = tl.maximum(p_lo, t_lo // tiles_per_page)
     if TMA:
         for p0 in range(p_lo, p_hi, SLOTS):
             slots = _slot_batch(Table, Sel, sel_row, off_b, p0, p_hi, stride_tb, stride_tp, SLOTS, SPARSE)
-            for t in range(p0 * tiles_per_page, tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page):
-                k, v, in_window = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, kpos0, window, stride_ps,
-                                           stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS)
-                dq = _attn_bwd_dq_tile(dq, q, do, lse, delta, tl.trans(k), tl.trans(v), in_window, qk_scale,
-                                       WINDOWED, IN_PRECISION)
+            poss = _page_pos_batch(PagePos, Sel, sel_row, off_b, p0, p_hi, stride_ppb, SLOTS, SPARSE, PACKED)
+            t_hi = tl.minimum(p0 + SLOTS, p_hi) * tiles_per_page
+            for t in range(_tile_start(p0, t_lo, tiles_per_page, PACKED), t_hi):
+                page_pos = _pick_page_pos(poss, p0, t // tiles_per_page, kpos0, PAGE_SIZE, SLOTS, SPARSE, PACKED)
+                k, v, visible = _page_kv(KP, VP, slots, p0, t, off_kvh, offs_m, offs_n, page_pos, window, ks,
+                                         stride_ps, stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, HEAD_DIM, SLOTS,
+                                         WINDOWED, PACKED)
+                dq = _attn_bwd_dq_tile(dq, q, do, lse, delta, tl.trans(k), tl.trans(v), visible, qk_scale,
+                                       WINDOWED or PACKED, IN_PRECISION)
     else:
         # The slot loads stay inside this loop: with pointers, from registers (as in the
         # forward) its pages measured slower on the H200 (top-k 64: 1.94 vs 1.62 ms, 2026-11-30,
         # ad1f8af; docs/experiments.md).
-        for t in range(p_lo * tiles_per_page, p_hi * tiles_per_page):
+        for t in range(_tile_start(p_lo, t_lo, tiles_per_page, PACKED), p_hi * tiles_per_page):
             slot = _page_slot(Table, Sel, sel_row, off_b, t // tiles_per_page, stride_tb, stride_tp, SPARSE)
-            base, in_window, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, kpos0, window, stride_ps, stride_ph,
-                                            stride_pn, PAGE_SIZE, BLOCK_N)
+            page_pos = _page_pos(PagePos, Sel, sel_row, off_b, t // tiles_per_page, kpos0, stride_ppb, PAGE_SIZE,
+                                 SPARSE, PACKED)
+            base, visible, _ = _page_tile(slot, off_kvh, t, offs_m, offs_n, page_pos, window, ks, stride_ps,
+                                          stride_ph, stride_pn, PAGE_SIZE, BLOCK_N, WINDOWED, PACKED)
             kT_ptrs = KP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
             vT_ptrs = VP + base + offs_n[None, :] * stride_pn + offs_d[:, None] * stride_pd
-            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, in_window, qk_scale, WINDOWED,
-                              IN_PRECISION)
+            dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask, visible, qk_scale,
+                              WINDOWED or PACKED, IN_PRECISION)
 
     if INCLUDE_SELF:
         k_base = K + off_b * stride_kb + off_kvh * stride_kh
         v_base = V + off_b * stride_vb + off_kvh * stride_vh
-        masked_lo, free_hi = _own_key_tiles(start_m * BLOCK_M, window, BLOCK_N, WINDOWED)
+        masked_lo, free_hi = _own_key_tiles(start_m * BLOCK_M, window, ks_lo, BLOCK_N, WINDOWED, PACKED)
         for start_n in range(0, free_hi, BLOCK_N):
             cols = start_n + offs_n
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
@@ -328,7 +365,7 @@ def _paged_attn_bwd_dq(
             cols = start_n + offs_n
             kT_ptrs = k_base + cols[None, :] * stride_kn + offs_d[:, None] * stride_kd
             vT_ptrs = v_base + cols[None, :] * stride_vn + offs_d[:, None] * stride_vd
-            visible, in_chunk = _diagonal_visible(cols, offs_m, C, window, WINDOWED)
+            visible, in_chunk = _diagonal_visible(cols, offs_m, C, window, ks, WINDOWED, PACKED)
             dq = _attn_bwd_dq(dq, q, do, lse, delta, kT_ptrs, vT_ptrs, kv_mask & in_chunk[None, :], visible,
                               qk_scale, True, IN_PRECISION)
 

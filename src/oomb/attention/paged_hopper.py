@@ -70,11 +70,13 @@ def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
     """Whether paged._backward runs the pages' backward here: dense pages with fp32 gradient pools
     (bf16 dK/dV pages take the Triton path), on a Hopper GPU, 16-bit, head_dim 128, a chunk of a
     multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools (and a page table
-    whose rows are contiguous, as the store's are)."""
+    whose rows are contiguous, as the store's are). Not packed documents: this kernel has no
+    document mask, so their pages' backward runs in paged.py's Triton kernels."""
     return (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == HEAD_DIM
             and q.shape[2] % BLOCK_M == 0 and pages.n_pages > 0 and pages.dk is not None
-            and pages.selection is None and not pages.window and pages.k.shape[2] % BLOCK_N == 0
+            and pages.selection is None and not pages.window and pages.key_start is None
+            and pages.k.shape[2] % BLOCK_N == 0
             and pages.dk.dtype == torch.float32 and pages.dv.dtype == torch.float32 and pages.table.stride(-1) == 1
             and all(x.is_contiguous() for x in (pages.k, pages.v, pages.dk, pages.dv)))
 

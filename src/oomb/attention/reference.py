@@ -52,7 +52,27 @@ def _scores(q, keys, n_prev, scale, pages: LayerPages):
             kpos = torch.cat([kpos, torch.arange(c, device=q.device) + pages.q_start])
         qpos = torch.arange(c, device=q.device).repeat(h // n_kv) + pages.q_start  # (G*C,)
         s = s.masked_fill(kpos[None, :] <= qpos[:, None] - pages.window, float("-inf"))
+    if pages.key_start is not None:
+        s = s.masked_fill(~document_mask(pages, b, c, h // n_kv, n_prev is not None), float("-inf"))
     return s
+
+
+def document_mask(pages: LayerPages, b: int, c: int, group: int, include_self: bool) -> torch.Tensor:
+    """(B, 1, G*C, N) bool: which keys of a group (its pages, then with include_self the chunk's
+    own) each query may see by document: key j only by queries whose document starts at or
+    before j (attention/documents.py). The causal mask is _scores'."""
+    page_size = pages.k.shape[2]
+    device = pages.key_start.device
+    offsets = torch.arange(page_size, device=device)
+    if pages.logical is not None:  # gathered columns: (B, n) logical pages
+        kpos = (pages.logical.long()[:, :, None] * page_size + offsets).reshape(b, -1)
+    else:
+        first = pages.first_page * page_size
+        kpos = torch.arange(first, first + pages.n_pages * page_size, device=device).expand(b, -1)
+    if include_self:
+        kpos = torch.cat([kpos, torch.arange(pages.q_start, pages.q_start + c, device=device).expand(b, -1)], dim=1)
+    starts = pages.key_start[:, pages.q_start : pages.q_start + c].long().repeat(1, group)  # (B, G*C)
+    return (kpos[:, None, :] >= starts[:, :, None])[:, None]
 
 
 def forward(q, k, v, pages: LayerPages, scale: float, include_self: bool = True):

@@ -70,12 +70,27 @@ class TopKPages:
         return 2 if self.representative == "minmax" else 1
 
 
-def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selection:
+def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages, first_page: int = 0,
+                 block_pages: torch.Tensor | None = None) -> Selection:
     """The chunk's `min(chunk_budget, n)` best pages and each query block's `min(budget, n)`
     picks among them.
 
     q: (B, H, C, D) the chunk's post-RoPE queries; reps: (B, n, Hkv, R, D) of the n earlier pages.
+    Packed documents: only pages from `first_page` on are candidates (those before hold documents
+    no query of the chunk sees), and block_pages (B, n_blocks) int64, the page of each query
+    block's first document start, bounds each block's picks: a page before it scores -inf (it is
+    picked only where the block's documents have fewer pages than its budget, and then masked),
+    and the sinks are the first `sink_pages` pages of that document.
     """
+    reps = reps[:, first_page:]
+    selection = _select(q, reps, cfg, block_pages - first_page if block_pages is not None else None)
+    if first_page:
+        selection = selection._replace(pages=selection.pages + first_page)
+    return selection
+
+
+def _select(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages, block_pages: torch.Tensor | None) -> Selection:
+    """select_pages of the candidates reps (B, n, Hkv, R, D), pages relative to the first."""
     b, h, c, d = q.shape
     n, n_kv = reps.shape[1], reps.shape[2]
     blocks = -(-c // cfg.block_queries)
@@ -96,7 +111,11 @@ def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages) -> Selecti
         scores = (torch.einsum("bkgqd,bknd->bkgqn", qm.clamp(min=0), r[:, :, 1])
                   + torch.einsum("bkgqd,bknd->bkgqn", qm.clamp(max=0), r[:, :, 0]))
     scores = scores.amax(dim=2)  # (B, Hkv, n_blocks, n): the best head of the group decides
-    scores[..., : cfg.sink_pages] = float("inf")  # sinks are always kept
+    if block_pages is None:
+        scores[..., : cfg.sink_pages] = float("inf")  # sinks are always kept
+    else:  # per block: its documents' first pages are the sinks, the pages before them are not seen
+        rel = torch.arange(n, device=q.device) - block_pages[:, None, :, None]  # (B, 1, n_blocks, n)
+        scores = scores.masked_fill(rel < cfg.sink_pages, float("inf")).masked_fill(rel < 0, float("-inf"))
     if n_cand < n:  # the chunk's candidates: the pages best for any of its blocks and heads
         cand = torch.topk(scores.amax(dim=(1, 2)), n_cand, dim=-1, sorted=False).indices.sort(dim=-1).values
         scores = scores.gather(3, cand[:, None, None, :].expand(b, n_kv, blocks, n_cand))

@@ -89,6 +89,14 @@ class LayerPages(NamedTuple):
     # 0: full attention. Page p holds positions p*P .. p*P+P-1; the chunk starts at q_start.
     window: int = 0
     q_start: int = 0
+    # Packed documents (attention/documents.py): per token of the sequence, (B, T) int32, the
+    # absolute position of its document's first token and one past its last; query i (at
+    # q_start + i) sees key j iff key_start[q_start + i] <= j. None: one document per sequence.
+    key_start: torch.Tensor | None = None
+    doc_end: torch.Tensor | None = None
+    # (B, n_pages) int32: the logical page of each table column when they are not contiguous from
+    # first_page (a gathered sparse group, whose columns are the chunk's candidates); packing only.
+    logical: torch.Tensor | None = None
 
     @property
     def n_pages(self) -> int:

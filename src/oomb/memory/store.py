@@ -176,13 +176,17 @@ class PagedKVStore:
             self.dk.index_fill_(0, slots.flatten(), 0)
             self.dv.index_fill_(0, slots.flatten(), 0)
 
-    def page_groups(self, layer: int, n_pages: int, window: int = 0):
+    def page_groups(self, layer: int, n_pages: int, window: int = 0, first_page: int = 0, docs=None):
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
         callable that yields them `group_pages` at a time (see attention/function.py); with a
-        `window`, only the pages a sliding window starting at the chunk can reach."""
+        `window`, only the pages a sliding window starting at the chunk can reach; from
+        `first_page` on only (packed documents: the pages before hold documents no query of the
+        chunk sees, which are never read). docs: the step's packed documents
+        (attention/documents.Documents), which attention masks by, or None."""
         q_start = n_pages * self.spec.page_size
         first = max(0, (q_start - window + 1) // self.spec.page_size) if window else 0
-        extra = {"window": window, "q_start": q_start}
+        first = max(first, first_page)
+        extra = {"window": window, "q_start": q_start, **_document_fields(docs)}
         if layer not in self._row:
             return self.host.page_groups(layer, first, n_pages, extra)
         # staged_pages: the dense layers of a sparse model group as their host copies must (a
@@ -190,12 +194,15 @@ class PagedKVStore:
         return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.staged_pages)
 
     def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int,
-                        copy_engines: bool = False):
+                        copy_engines: bool = False, docs=None):
         """The pages a sparse selection reads of the first `n_pages` pages of `layer`, as one
         group: its pages are the chunk's candidates, its per-block picks index them. A host
         layer's move on the copy engines with `copy_engines` (its host copy is done, or nearly:
-        the host waits for it), else by the zero-copy kernel."""
-        extra = {"selection": selection.blocks, "block_queries": block_queries, "q_start": n_pages * self.spec.page_size}
+        the host waits for it), else by the zero-copy kernel. docs: as page_groups'."""
+        extra = {"selection": selection.blocks, "block_queries": block_queries,
+                 "q_start": n_pages * self.spec.page_size, **_document_fields(docs)}
+        if docs is not None:  # the keys' positions, for the documents' mask
+            extra["logical"] = selection.pages
         if layer not in self._row:
             return self.host.page_groups(layer, 0, n_pages, extra, selection.pages,
                                          selection.host_pages if copy_engines else None)
@@ -259,6 +266,11 @@ class _PoolGroups:
         dk, dv = (s.dk, s.dv) if with_grad else (None, None)
         for start in range(self.first, max(n_pages, self.first + 1), self.group_pages):
             yield LayerPages(s.k, s.v, dk, dv, self.table[:, start : start + self.group_pages], start, **self.extra)
+
+
+def _document_fields(docs) -> dict:
+    """LayerPages' packed-document fields of a step's Documents (or None: none)."""
+    return {} if docs is None else {"key_start": docs.key_start, "doc_end": docs.doc_end}
 
 
 def to_pages(x: torch.Tensor, n_pages: int) -> torch.Tensor:

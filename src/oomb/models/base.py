@@ -102,7 +102,7 @@ class DecoderAdapter:
 
     # -- the pieces the engine composes ----------------------------------------------------
 
-    def rope(self, h: torch.Tensor, start: int, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, h: torch.Tensor, start: int, seq_len: int, docs=None) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for positions start .. start + C - 1 of the chunk h: (B, C, hidden) of a
         sequence of seq_len tokens.
 
@@ -110,13 +110,47 @@ class DecoderAdapter:
         largest position it is given; full-sequence training gives it seq_len - 1, so every
         chunk passes that position too (and drops its row): all chunks rotate alike, as the
         whole sequence would. Static RoPE types are unaffected.
+
+        docs: packed documents (attention/documents.Documents): each token rotates by its position
+        in its document, as that document alone would, (B, C, D) cos and sin.
         """
         c = h.shape[1]
+        if docs is not None:
+            return self._document_rope(h, docs.positions[:, start : start + c], docs.lengths[:, start : start + c])
         positions = torch.arange(start, start + c + 1, device=h.device)
         # fill_, not `positions[-1] = x`: that copies x from the host, a sync per chunk
         positions[-1:].fill_(max(seq_len - 1, start + c - 1))
         cos, sin = self.rotary_emb(h, positions[None])  # (1, C + 1, D)
         return cos[:, :c], sin[:, :c]
+
+    @property
+    def length_dependent_rope(self) -> bool:
+        """Whether the rotary module picks its frequencies from the largest position it is given
+        (transformers' dynamic_rope_update: dynamic NTK, LongRoPE)."""
+        rope_type = getattr(self.rotary_emb, "rope_type", "default")
+        return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
+
+    def _document_rope(self, h: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor):
+        """cos, sin (B, C, D) of positions (B, C) in documents of lengths (B, C).
+
+        Static RoPE: the positions alone. Length-dependent RoPE: each document is rotated as a
+        sequence of its own length is (its last position passed, as rope() passes seq_len - 1), one
+        call per length in the chunk; dynamic NTK keeps the largest length it has seen, so each
+        call first shows it one position, which resets it to the trained frequencies."""
+        if not self.length_dependent_rope:
+            return self.rotary_emb(h, positions)  # (B, C, D)
+        cos = sin = None
+        # One host sync per chunk, for these RoPE types only: the lengths decide the calls.
+        for n in lengths.unique().tolist():
+            self.rotary_emb(h, positions.new_zeros((1, 1)))
+            # The largest position is n - 1: the other documents' tokens (rows dropped) are clamped.
+            last = positions.new_full((positions.shape[0], 1), n - 1)
+            shown = torch.cat([positions.clamp(max=n - 1), last], dim=1)  # (B, C + 1)
+            cos_n, sin_n = (x[:, :-1] for x in self.rotary_emb(h, shown))
+            mine = (lengths == n)[..., None]  # (B, C, 1)
+            cos = cos_n if cos is None else torch.where(mine, cos_n, cos)
+            sin = sin_n if sin is None else torch.where(mine, sin_n, sin)
+        return cos, sin
 
     def project_qkv(self, layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """h: (B, C, hidden) -> q (B, H, C, D), k, v (B, Hkv, C, D); q and k after RoPE."""
