@@ -1,7 +1,6 @@
 """oomb tokenize's data sources (text and chat records in .jsonl, .json, .parquet, datasets
 directories) and the document files the trainer cuts into sequences, packed or one each (CPU,
 seconds). Tokenizers are built here: nothing is downloaded."""
-import inspect
 import json
 import re
 import sys
@@ -346,19 +345,18 @@ def test_chat_labels_reach_the_engine_loss_as_transformers_reads_them(tmp_path, 
     assert float(got.loss) == pytest.approx(float(want), rel=1e-5)
 
 
-def taking_positions(method, calls: list):
-    """`method` with a position_ids keyword, which it records in `calls` and does not pass on."""
-    def wrapped(self, input_ids, labels=None, *args, position_ids=None, **kwargs):
+def recording_positions(method, calls: list):
+    """`method`, recording the position_ids it is given in `calls`."""
+    def wrapped(self, *args, position_ids=None, **kwargs):
         calls.append(position_ids)
-        return method(self, input_ids, labels, *args, **kwargs)
+        return method(self, *args, position_ids=position_ids, **kwargs)
     return wrapped
 
 
 def test_train_on_chat_data(tmp_path, ckpt, capsys, monkeypatch):
     """--no-pack: one conversation per sequence, padded, trains on the assistant's tokens. Packed
-    (the default for chat data) needs an engine that takes position_ids: refused before the first
-    step where it has none; with one, the packed batches' position_ids reach forward_backward and
-    evaluate (held-out batches)."""
+    (the default for chat data): the packed batches' position_ids reach forward_backward and
+    evaluate (held-out batches), which mask each document to itself."""
     from oomb.engine import ChunkRecurrentEngine
 
     rows = records() * 3
@@ -368,19 +366,14 @@ def test_train_on_chat_data(tmp_path, ckpt, capsys, monkeypatch):
     main(["train", "--data", out, "--no-pack", "--steps", "2", *SMALL])
     assert re.search(r"step +2/2 +loss \d+\.\d+", capsys.readouterr().out)
 
-    masking = "position_ids" in inspect.signature(ChunkRecurrentEngine.forward_backward).parameters
     seen = {"forward_backward": [], "evaluate": []}
-    if not masking:
-        with pytest.raises(SystemExit, match="packed data needs an engine with document masking"):
-            main(["train", "--data", out, "--steps", "1", *SMALL])
-        for name in seen:  # an engine that takes position_ids (and, here, ignores them)
-            monkeypatch.setattr(ChunkRecurrentEngine, name,
-                                taking_positions(getattr(ChunkRecurrentEngine, name), seen[name]))
+    for name in seen:
+        monkeypatch.setattr(ChunkRecurrentEngine, name, recording_positions(getattr(ChunkRecurrentEngine, name),
+                                                                            seen[name]))
     main(["train", "--data", out, "--steps", "2", "--eval-every", "2", *SMALL])
     assert re.search(r"step +2/2 +loss \d+\.\d+", capsys.readouterr().out)
-    if not masking:
-        data = make_data(out, 256, 64, 1, seed=0)  # the trainer's stream: packed, seed 0
-        held_out = make_data(out, 256, 64, 1, seed=7_919)  # its held-out batch
-        assert len(seen["forward_backward"]) == 2 and len(seen["evaluate"]) == 1
-        assert all(torch.equal(p, next(data)[2]) for p in seen["forward_backward"])
-        assert torch.equal(seen["evaluate"][0], next(held_out)[2])
+    data = make_data(out, 256, 64, 1, seed=0)  # the trainer's stream: packed, seed 0
+    held_out = make_data(out, 256, 64, 1, seed=7_919)  # its held-out batch
+    assert len(seen["forward_backward"]) == 2 and len(seen["evaluate"]) == 1
+    assert all(torch.equal(p, next(data)[2]) for p in seen["forward_backward"])
+    assert torch.equal(seen["evaluate"][0], next(held_out)[2])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import gc
-import inspect
 import math
 import os
 import shlex
@@ -303,16 +302,6 @@ def positions(batch: tuple) -> dict:
     return {"position_ids": batch[2]} if len(batch) == 3 else {}
 
 
-def check_document_masking(engine: ChunkRecurrentEngine, methods: list[str]) -> None:
-    """Packed batches need engine methods that take position_ids (a document attends only to
-    itself); refused before the first step where they do not."""
-    for name in methods:
-        if "position_ids" not in inspect.signature(getattr(engine, name)).parameters:
-            raise ValueError(f"packed data needs an engine with document masking, and this oomb's "
-                             f"ChunkRecurrentEngine.{name} takes no position_ids; train with --no-pack (one document "
-                             "per sequence)")
-
-
 @torch.no_grad()
 def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list, dp_group,
              device: torch.device) -> tuple[float, int]:
@@ -375,10 +364,6 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     if cfg.loss_last and how != "windows":
         raise ValueError(f"loss_last={cfg.loss_last} trims the labels of windows; {cfg.data} is trained as documents "
                          f"({how}), whose labels are their own (chat: the assistant's tokens): drop --loss-last")
-    packed_calls = ["forward_backward"] if how == "packed" else []
-    if cfg.eval_every and data_layout(cfg.eval_data or cfg.data, cfg.pack) == "packed":
-        packed_calls.append("evaluate")
-    check_document_masking(engine, packed_calls)
     needles = None
     if cfg.needle_rate:
         needles = NeedleMix(codec_for(cfg.tokenizer, cfg.model, vocab), cfg.needle_template, cfg.needle_rate,
