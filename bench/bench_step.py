@@ -103,9 +103,9 @@ def default_step_fn(model, model_name: str, lora_rank: int):
             p.grad = None
         state.update(tokens=tokens, engine=engine, choice=choice)
 
-    def step(ids, progress=None):
+    def step(ids, progress=None, position_ids=None):
         reserve(ids.shape[1])
-        return state["engine"].forward_backward(ids, progress=progress).loss
+        return state["engine"].forward_backward(ids, progress=progress, position_ids=position_ids).loss
 
     step.engine = lambda: state["engine"]
     step.choice = lambda: state["choice"]
@@ -134,7 +134,10 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
                                            kept_host_bytes=None if kept_host_gib is None else int(kept_host_gib * 2**30),
                                            gpu_page_budget_bytes=None if page_budget_gib is None
                                            else int(page_budget_gib * 2**30))
-        step = lambda ids, progress=None: engine.forward_backward(ids, progress=progress).loss  # noqa: E731
+
+        def step(ids, progress=None, position_ids=None):
+            return engine.forward_backward(ids, progress=progress, position_ids=position_ids).loss
+
         step.engine = lambda: engine
 
         def reserve(tokens: int) -> None:
@@ -151,7 +154,9 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
         return step, reserve
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
-    def hf_step(ids, progress=None):
+    def hf_step(ids, progress=None, position_ids=None):
+        if position_ids is not None:  # packed documents: the same tokens as a batch of separate sequences
+            ids = ids.view(-1, int(position_ids[0].argmax()) + 1)
         out = model(input_ids=ids, labels=ids)
         out.loss.backward()
         return out.loss
@@ -171,6 +176,9 @@ def engine_fields(engine) -> dict:
 def worker(args) -> None:
     info = run_info()
     cuda = args.device == "cuda"
+    if cuda and args.gpu_cap_gib:  # a smaller GPU's memory (not its speed): the allocator's cap
+        torch.cuda.set_per_process_memory_fraction(
+            min(1.0, args.gpu_cap_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory))
     oomb_liger = args.oomb_liger and args.impl in OOMB_OFFLOAD
     model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, args.float8)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
@@ -191,7 +199,10 @@ def worker(args) -> None:
     default = args.impl == "oomb-default"  # builds (and warms up) its engine per length in reserve()
     if not default:
         t0 = time.perf_counter()
-        step(torch.randint(0, vocab, (1, warm), device=args.device))
+        warm_positions = None  # packed documents take kernel variants of their own: compiled here too
+        if args.packed_docs and args.impl in OOMB_OFFLOAD:
+            warm_positions = (torch.arange(warm, device=args.device) % max(1, min(args.packed_docs, warm // 2)))[None]
+        step(torch.randint(0, vocab, (1, warm), device=args.device), position_ids=warm_positions)
         print(f"[{args.impl}] warm-up step ({warm:,} tokens) {time.perf_counter() - t0:.1f} s", file=sys.stderr,
               flush=True)
         t0 = time.perf_counter()
@@ -205,6 +216,12 @@ def worker(args) -> None:
             reserve_s = round(time.perf_counter() - t0, 1)
         # the same tokens for every implementation, whatever its warm-up drew
         ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
+        positions = None
+        if args.packed_docs:  # documents of packed_docs tokens: oomb masks each to itself, transformers
+            # takes them as a batch of that many separate sequences
+            if length % args.packed_docs:
+                sys.exit(f"--packed-docs {args.packed_docs} does not divide the length {length}")
+            positions = (torch.arange(length, device=args.device) % args.packed_docs)[None]
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -220,6 +237,7 @@ def worker(args) -> None:
                "keep_attention": args.keep_attention if args.impl in OOMB_OFFLOAD else None,
                "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
                "group_pages": args.group_pages if args.impl in OOMB_OFFLOAD else None,
+               "gpu_cap_gib": args.gpu_cap_gib, "packed_docs": args.packed_docs,
                "weights_gib": weights_gib and round(weights_gib, 2),
                "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
         profile = args.profile and length == args.lengths[-1]
@@ -236,7 +254,7 @@ def worker(args) -> None:
                               file=sys.stderr, flush=True)
                     if window:
                         prof.step()
-                loss = float(step(ids, progress=progress))
+                loss = float(step(ids, progress=progress, position_ids=positions))
             if cuda:
                 torch.cuda.synchronize()
             dt = time.perf_counter() - t0
@@ -307,6 +325,12 @@ def main() -> None:
     ap.add_argument("--profile-passes", default="", metavar="FIRST:COUNT",
                     help="oomb: profile only COUNT chunk passes after the FIRST (stage 1's n - 1 passes, then "
                          "stage 2's n): a steady-state sample of a long step (a 1M step's whole trace is too big)")
+    ap.add_argument("--packed-docs", type=parse_tokens, default=0,
+                    help="documents of this many tokens packed into each sequence: oomb steps them with position_ids "
+                         "(each attends to itself), transformers as a batch of separate sequences")
+    ap.add_argument("--gpu-cap-gib", type=float, default=None,
+                    help="every impl: cap the process's GPU memory (torch.cuda.set_per_process_memory_fraction): "
+                         "a smaller GPU's memory, not its speed")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
@@ -335,6 +359,10 @@ def main() -> None:
             cmd += ["--layers", str(args.layers)]
         if args.page_budget_gib is not None:
             cmd += ["--page-budget-gib", str(args.page_budget_gib)]
+        if args.gpu_cap_gib is not None:
+            cmd += ["--gpu-cap-gib", str(args.gpu_cap_gib)]
+        if args.packed_docs:
+            cmd += ["--packed-docs", str(args.packed_docs)]
         try:
             subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:

@@ -56,8 +56,11 @@ def shipped(r: dict, is_impl) -> bool:
 
 
 def step_rows(rows: list[dict]) -> list[dict]:
-    """Shipped step rows that finished, each marked with whether its peak memory is its own."""
-    return [r for r in own_peaks(rows) if shipped(r, STEP_IMPLS.__contains__) and r.get("ok")]
+    """Shipped step rows that finished on a whole GPU with one document a sequence, each marked
+    with whether its peak memory is its own (a row whose process capped its GPU memory emulates
+    a smaller GPU; packed documents are a step of another cost)."""
+    return [r for r in own_peaks(rows) if shipped(r, STEP_IMPLS.__contains__) and r.get("ok")
+            and not r.get("gpu_cap_gib") and not r.get("packed_docs")]
 
 
 def own_peaks(rows: list[dict]) -> list[dict]:

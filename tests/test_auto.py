@@ -177,3 +177,20 @@ def test_top_k_prefers_chunks_near_its_measured_optimum():
     assert costs[4096] < costs[2048] < costs[8192]
     assert costs[2048] / costs[4096] == pytest.approx(1.031, abs=0.005)
     assert costs[8192] / costs[4096] == pytest.approx(1.12, abs=0.005)
+
+
+def test_a_per_process_memory_fraction_is_the_gpu_planned_for(monkeypatch):
+    """torch.cuda.set_per_process_memory_fraction caps what the caching allocator may hold, which
+    the driver's free memory does not show: the plan, the engine's 'auto' room and its margin
+    take the cap as the GPU (how a 24 GiB GPU is emulated on an H200)."""
+    from oomb.memory.device import device_memory
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (100 * GIB, 140 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * GIB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 8 * GIB)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.2, raising=False)
+    cuda = torch.device("cuda")
+    assert device_memory(cuda) == (28 * GIB - 8 * GIB, 28 * GIB)  # the cap less what is allocated
+    assert Machine.measure(cuda).gpu_bytes == 28 * GIB
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0, raising=False)
+    assert device_memory(cuda) == (100 * GIB + 2 * GIB, 140 * GIB)  # free, and the cache's unused blocks

@@ -209,3 +209,16 @@ def test_bench_step_default_is_what_train_chooses(tmp_path):
                and r["checkpoint_layers"] is False for r in rows[:2])
     for default, fixed in zip(rows[:2], rows[2:]):  # the same tokens: chunking changes the rounding only
         assert abs(default["loss"] - fixed["loss"]) <= 1e-4 * fixed["loss"]
+
+
+def test_bench_step_packed_documents_equal_separate_sequences(tmp_path):
+    """--packed-docs: oomb steps packed documents (position_ids, each attends to itself) and
+    transformers the same tokens as a batch of separate sequences: the same loss."""
+    out = tmp_path / "step.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
+           "--impls", "oomb,hf", "--lengths", "1K", "--chunk-size", "256", "--packed-docs", "256", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["impl"], r["packed_docs"]) for r in rows] == [("oomb", 256), ("hf", 256)] and all(r["ok"] for r in rows)
+    assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-4 * rows[1]["loss"]

@@ -64,16 +64,18 @@ class Machine:
 
     @classmethod
     def measure(cls, device: torch.device, local_world_size: int = 1) -> "Machine":
-        """This machine now: the device's free memory plus what this process already holds on it
-        (its weights, which the plan counts), and the host's available memory (shared among the
-        `local_world_size` processes of the machine)."""
+        """This machine now: the device memory this process may still take plus what it already
+        holds (its weights, which the plan counts), within torch.cuda's per-process memory
+        fraction, and the host's available memory (shared among the `local_world_size` processes
+        of the machine)."""
+        from .memory.device import device_memory
         from .memory.pinned import available_host_bytes
 
         host = available_host_bytes() // local_world_size
         if device.type != "cuda":
             return cls(host, host, cuda=False)
-        free, _ = torch.cuda.mem_get_info(device)
-        return cls(free + torch.cuda.memory_reserved(device), host)
+        free, _ = device_memory(device)  # within a per-process memory fraction
+        return cls(free + torch.cuda.memory_allocated(device), host)
 
     def describe(self) -> str:
         if not self.cuda:

@@ -30,6 +30,7 @@ from .attention.documents import Documents, check_positions, documents
 from .attention.sparse import Selection, select_pages
 from .config import EngineConfig
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
+from .memory.device import device_memory
 from .memory.kept import KeptAttention
 from .memory.pinned import available_host_bytes
 from .memory.spec import PageSpec, staging_bytes
@@ -519,13 +520,13 @@ class ChunkRecurrentEngine:
         return self._free_gpu_bytes() + reusable - working_set - later - gpu_margin(self._gpu_capacity())
 
     def _gpu_capacity(self) -> int:
-        """The device's memory in bytes (0 off CUDA: the margin's floor applies)."""
-        return torch.cuda.get_device_properties(self.device).total_memory if self.device.type == "cuda" else 0
+        """The device's memory this process may hold (0 off CUDA: the margin's floor applies)."""
+        return device_memory(self.device)[1] if self.device.type == "cuda" else 0
 
     def _free_gpu_bytes(self) -> int:
-        """Free device memory, counting what the caching allocator holds but does not use."""
-        free, _ = torch.cuda.mem_get_info(self.device)
-        return free + torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        """Free device memory, counting what the caching allocator holds but does not use (within
+        a per-process memory fraction)."""
+        return device_memory(self.device)[0]
 
     def _check_memory(self, batch: int, max_pages: int, host_pages: int) -> None:
         """Refuse a step whose pages the host, or (offload 'none'/'all') the GPU, cannot hold now,
