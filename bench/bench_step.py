@@ -66,10 +66,12 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KEEP = {"no": False, "yes": True, "fit": None}  # --keep-attention -> the engine's keep_attention
 OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sparse": "none",
-                "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto"}
+                "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto",
+                "oomb-sparse-default": "auto"}
+DEFAULT_IMPLS = ("oomb-default", "oomb-sparse-default")  # what oomb train chooses (dense, --sparse-budget 64)
 
 
-def default_step_fn(model, model_name: str, lora_rank: int):
+def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int = 0):
     """(step, reserve) of `oomb-default`: for each length, the engine `oomb train` builds with no
     tuning flags (trainer.run_engine_config: oomb.auto's choice on this machine's memory, with
     room for AdamW's state; offload 'auto', kept attention as far as it fits, compile 'auto').
@@ -90,11 +92,11 @@ def default_step_fn(model, model_name: str, lora_rank: int):
         gc.collect()
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
-        cfg = TrainConfig(model=model_name, seq_len=tokens, lora_rank=lora_rank)
+        cfg = TrainConfig(model=model_name, seq_len=tokens, lora_rank=lora_rank, sparse_budget=sparse_budget)
         optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], cfg)  # no state yet
         settings, choice = run_engine_config(cfg, model, model.device, optimizer,
                                              oomb.KernelOptions.from_env(os.environ))
-        print(f"[oomb-default {tokens:,}] {choice.summary()}", file=sys.stderr, flush=True)
+        print(f"[default {tokens:,}] {choice.summary()}", file=sys.stderr, flush=True)
         engine = oomb.ChunkRecurrentEngine(model, settings)
         engine.reserve(1, tokens)
         warm = min(tokens, 3 * settings.chunk_size)
@@ -120,7 +122,7 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
     before its first step (pinning ~100 GiB takes about a minute: not part of a step), and
     warms up the host path when offload puts layers there (its kernels compile at first use:
     ~4 s once, which a training run pays in its first step only)."""
-    if impl in OOMB_OFFLOAD and impl != "oomb-default":
+    if impl in OOMB_OFFLOAD and impl not in DEFAULT_IMPLS:
         import oomb
 
         sparse = oomb.TopKPages(budget=64) if "sparse" in impl else None
@@ -183,8 +185,8 @@ def worker(args) -> None:
     model = build(args.model, args.layers, args.impl == "liger", args.lora_rank, args.device, oomb_liger, args.float8)
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
-    if args.impl == "oomb-default":
-        step, reserve = default_step_fn(model, args.model, args.lora_rank)
+    if args.impl in DEFAULT_IMPLS:
+        step, reserve = default_step_fn(model, args.model, args.lora_rank, 64 if "sparse" in args.impl else 0)
     else:
         step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
                                 compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
@@ -196,7 +198,7 @@ def worker(args) -> None:
     # own keys, a variant of its own); at most the first length (a longer one after it may still
     # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
     warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
-    default = args.impl == "oomb-default"  # builds (and warms up) its engine per length in reserve()
+    default = args.impl in DEFAULT_IMPLS  # builds (and warms up) its engine per length in reserve()
     if not default:
         t0 = time.perf_counter()
         warm_positions = None  # packed documents take kernel variants of their own: compiled here too
@@ -297,7 +299,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default="oomb,liger,hf",
                     help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), "
-                         "oomb-default (what oomb train chooses: no tuning flags apply), liger, hf")
+                         "oomb-default, oomb-sparse-default (what oomb train chooses, dense or --sparse-budget 64: no "
+                         "tuning flags apply), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
     ap.add_argument("--model", default="qwen2.5-7b", help="a preset of oomb.presets (qwen2.5-7b, gpt-oss-20b)")
     ap.add_argument("--layers", type=int, default=None, help="default: the preset's")

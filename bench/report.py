@@ -21,11 +21,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 H200_GIB = 139.8  # what torch reports for the H200s the rows ran on
 
 STEP_IMPLS = {"oomb", "oomb-all", "oomb-auto", "oomb-sparse", "oomb-sparse-all", "oomb-sparse-auto", "oomb-default",
-              "liger", "hf"}
+              "oomb-sparse-default", "liger", "hf"}
 ATTENTION_IMPL = re.compile(r"paged(-sparse\d+)?|sdpa_cudnn|sdpa_flash")
 PARALLEL_IMPLS = {"dense", "sparse"}
 OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto",
-           "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto"}
+           "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto",
+           "oomb-sparse-default": "auto"}
 PRESET_LAYERS = {"qwen2.5-7b": 28, "qwen2.5-3b": 36, "qwen2.5-1.5b": 28, "gpt-oss-20b": 24}
 PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pinned pages
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
