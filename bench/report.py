@@ -657,17 +657,15 @@ def longest_section(rows: list[dict]) -> str:
             planned.append([r.get("model", "qwen2.5-7b"), f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full",
                             "top-k" if "sparse" in r["impl"] else "dense", f"'{OFFLOAD[r['impl']]}', " + step_settings(r),
                             f"{longest:,}", f"{r['seq_len']:,}", peak(r), f"{100 * r['peak_gib'] / H200_GIB:.1f} %"
-                            if r.get("peak_gib") else "—"])
+                            if r.get("peak_gib") else "—", commit(r), day(r), cmds.ref(step_command(r))])
         out.append([r.get("model", "qwen2.5-7b"), f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full",
                     "top-k" if "sparse" in r["impl"] else "dense", f"{r['seq_len']:,}", f"{r['step_s']:.1f}",
                     num(r["tok_s"]), peak(r), num(r.get("host_peak_gib"), ".1f"), f"'{OFFLOAD[r['impl']]}', "
                     + step_settings(r), commit(r), day(r), cmds.ref(step_command(r))])
     measured = {row[0] for row in planned}
     topk = {"impl": "oomb-sparse-auto", "chunk_size": 4096, "kv_grad_dtype": "bf16", "checkpoint_layers": True}
-    for model in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"):  # a shape no step measured: the plan alone
-        if model not in measured:
-            planned.append([model, "full", "top-k", "'auto', " + step_settings(topk), f"{planned_longest({**topk, 'model': model}):,}",
-                            "—", "—", "—"])
+    unmeasured = ", ".join(f"{model} {planned_longest({**topk, 'model': model}):,} tokens"
+                           for model in ("qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b") if model not in measured)
     return section("step", out, cmds,
         "The longest context a measured step reached, per model, kind of gradients and attention. "
         "`oomb plan --seq-len N` estimates the GPU and host memory of other lengths before a run.",
@@ -680,7 +678,9 @@ def longest_section(rows: list[dict]) -> str:
         "the measured step; `oomb plan --model M --seq-len N --optimizer none` with the row's settings), computed "
         "from the code of this page's commit.",
         table(["model", "gradients", "attention", "offload, settings", "plan: longest tokens", "measured tokens",
-               "measured peak GPU GiB", "of the GPU"], planned))
+               "measured peak GPU GiB", "of the GPU", "commit", "date", "command"], planned)
+        + (f"\n\nShapes no step has measured, planned with full-parameter gradients, top-k, 'auto', chunk 4096, "
+           f"bf16 dK/dV and layers recomputed: {unmeasured}." if unmeasured else ""))
 
 
 def select_gpt_oss(rows: list[dict]) -> list[dict]:
