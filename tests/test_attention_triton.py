@@ -500,9 +500,16 @@ def packed_case(shape, dtype, gathered=False, kernels=None):
             extra["logical"] = torch.stack([torch.randperm(first_page + n_pages, generator=g)[:n_pages].sort().values
                                             for _ in range(b)]).int()
             first_page = 0
+    assert_triton_equals_reference(q, k, v, do, dtype, lambda name: LayerPages(
+        kp, vp, dk0.clone(), dv0.clone(), table, first_page, **extra), partial(paged_attention_triton, kernels=kernels))
+
+
+def assert_triton_equals_reference(q, k, v, do, dtype, pages_for, triton=paged_attention_triton):
+    """The output, dQ, dK, dV and the gradient pools of the Triton kernels and of the reference,
+    each run on the pages pages_for('triton' | 'torch') gives, within the dtype's tolerance."""
     results = {}
-    for name, fn in (("triton", partial(paged_attention_triton, kernels=kernels)), ("torch", paged_attention_torch)):
-        pages = LayerPages(kp, vp, dk0.clone(), dv0.clone(), table, first_page, **extra)
+    for name, fn in (("triton", triton), ("torch", paged_attention_torch)):
+        pages = pages_for(name)
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         o = fn(*leaves, pages, SCALE)
         o.backward(do)
@@ -548,16 +555,7 @@ def test_packed_pages_of_finished_documents_are_skipped(dtype):
         dead = table[row, : first_seen // page_size].long()  # pages wholly before the first document
         poisoned_kp[dead] = float("nan")
         poisoned_vp[dead] = float("nan")
-    results = {}
-    for name, fn, pools in (("triton", paged_attention_triton, (poisoned_kp, poisoned_vp)),
-                            ("torch", paged_attention_torch, (kp, vp))):
-        pages = LayerPages(*pools, dk0.clone(), dv0.clone(), table, 0, q_start=q_start, key_start=docs.key_start,
-                           doc_end=docs.doc_end)
-        leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
-        o = fn(*leaves, pages, SCALE)
-        o.backward(do)
-        results[name] = [o] + [x.grad for x in leaves] + [pages.dk, pages.dv]
-    rel = {torch.float32: 1e-5, torch.float16: 5e-3}[dtype]
-    for name, got, want in zip(("o", "dq", "dk", "dv", "dk pool", "dv pool"), results["triton"], results["torch"]):
-        e, scale = (got.float() - want.float()).abs().max().item(), max(1.0, want.float().abs().max().item())
-        assert e <= rel * scale, f"{name}: max error {e:.3g} > {rel} x {scale:.3g}"
+    pools = {"triton": (poisoned_kp, poisoned_vp), "torch": (kp, vp)}
+    assert_triton_equals_reference(q, k, v, do, dtype, lambda name: LayerPages(
+        *pools[name], dk0.clone(), dv0.clone(), table, 0, q_start=q_start, key_start=docs.key_start,
+        doc_end=docs.doc_end))

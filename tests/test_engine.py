@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import oomb
-from tiny_models import VOCAB, full_sequence_grads, make_model, rel_err
+from tiny_models import VOCAB, full_sequence_grads, llama_with_rope, make_model, rel_err
 
 TOL = 1e-4  # relative, float32 (the issue's bound; measured errors are ~1e-6)
 
@@ -209,13 +209,7 @@ def test_length_dependent_rope_equals_full_sequence(rope):
     """Dynamic NTK and LongRoPE choose their frequencies from the sequence length: every chunk
     must rotate as the whole sequence does (a chunk alone shows the rotary module a shorter
     length, and both cases fail without the engine passing the sequence's)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                      vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=64,
-                      rope_parameters={**rope, "rope_theta": 10000.0})
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg)
+    model = llama_with_rope(rope, 64)
     ids = random_batch(1, 300)  # well past the 64 positions the frequencies were made for
     check_against_full_sequence(model, ids, ids, chunk_size=32, page_size=16, backend="torch")
 

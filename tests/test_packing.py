@@ -5,7 +5,7 @@ import torch
 
 import oomb
 from oomb.attention.documents import documents
-from tiny_models import VOCAB, make_model, rel_err
+from tiny_models import VOCAB, llama_with_rope, make_model, rel_err
 
 TOL = 1e-4  # relative, float32, as tests/test_engine.py
 
@@ -143,13 +143,7 @@ def test_evaluate_packed():
 def test_length_dependent_rope_by_document(rope):
     """Dynamic NTK and LongRoPE pick their frequencies from a sequence's length: each packed
     document rotates as it does alone (documents longer and shorter than the trained 40)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                      vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=40,
-                      rope_parameters={**rope, "rope_theta": 10000.0})
-    cfg._attn_implementation = "eager"
-    model = LlamaForCausalLM(cfg)
+    model = llama_with_rope(rope, 40)
     check_packed(model, *packed_batch(), chunk_size=32, page_size=16, backend="torch")
 
 
