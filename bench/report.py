@@ -27,12 +27,13 @@ PARALLEL_IMPLS = {"dense", "sparse"}
 OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto",
            "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto",
            "oomb-sparse-default": "auto"}
+DEFAULT_IMPLS = {"oomb-default", "oomb-sparse-default"}  # what oomb train chooses (oomb.auto)
 PRESET_LAYERS = {"qwen2.5-7b": 28, "qwen2.5-3b": 36, "qwen2.5-1.5b": 28, "gpt-oss-20b": 24}
 PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pinned pages
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
+            "Offload overhead", "Longest context", "Smaller GPUs", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
             "How to reproduce"]
 
 
@@ -209,8 +210,12 @@ def step_command(r: dict) -> str:
         parts.append(f"--layers {r['layers']}")
     if r.get("float8", "none") != "none":
         parts.append(f"--float8 {r['float8']}")
-    if r["impl"] in OFFLOAD:
+    if r["impl"] in OFFLOAD and r["impl"] not in DEFAULT_IMPLS:  # the defaults take no engine flags
         parts += step_engine_flags(r)
+    if r.get("packed_docs"):
+        parts.append(f"--packed-docs {tokens(r['packed_docs'])}")
+    if r.get("gpu_cap_gib"):
+        parts.append(f"--gpu-cap-gib {r['gpu_cap_gib']:g}")
     return " ".join(parts)
 
 
@@ -605,6 +610,71 @@ def offload_section(rows: list[dict]) -> str:
         "1M, 'auto' with some layers on the host).")
 
 
+# --- smaller GPUs ------------------------------------------------------------------------------
+
+def select_gpu_sizes(rows: list[dict]) -> list[dict]:
+    """Steps whose process capped its GPU memory (a smaller GPU's memory on the H200): for each
+    cap, implementation, kind of gradients and attention, the longest context that finished."""
+    capped = [r for r in own_peaks(rows) if shipped(r, STEP_IMPLS.__contains__) and r.get("ok")
+              and r.get("gpu_cap_gib") and not r.get("packed_docs")]
+    key = lambda r: (r["gpu_cap_gib"], r["impl"], r.get("lora_rank", 0), r.get("model", "qwen2.5-7b"))  # noqa: E731
+    groups = defaultdict(list)
+    for r in capped:
+        groups[key(r)].append(r)
+    picked = [newest([r for r in g if r["seq_len"] == max(x["seq_len"] for x in g)]) for g in groups.values()]
+    return sorted(picked, key=key)
+
+
+def gpu_label(r: dict) -> str:
+    name = BASELINES.get(r["impl"], r["impl"])
+    return f"{name}, {'LoRA r=' + str(r['lora_rank']) if r.get('lora_rank') else 'full'}"
+
+
+def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
+    cmds, out = Commands(), []
+    picked = select_gpu_sizes(rows)
+    for r in picked:
+        out.append([f"{r['gpu_cap_gib']:g}", r.get("model", "qwen2.5-7b"), gpu_label(r), f"{r['seq_len']:,}",
+                    f"{r['step_s']:.1f}", num(r["tok_s"]), peak(r), num(r.get("host_peak_gib"), ".1f"),
+                    step_settings(r) if r["impl"] in OFFLOAD else "gradient checkpointing", commit(r), day(r),
+                    cmds.ref(step_command(r))])
+    if not out:
+        return ("_No rows yet: `python bench/bench_step.py --impls oomb-default,oomb-sparse-default,liger "
+                "--lora-rank 16 --gpu-cap-gib 24 --lengths 128K,256K,512K,1M` (and 48, 80) measures them._")
+    plot_gpu_sizes(picked, os.path.join(out_dir, "longest_context_vs_gpu.png"))
+    return section("capped step", out, cmds,
+        "The longest context a step finished at with the process's GPU memory capped "
+        "(`torch.cuda.set_per_process_memory_fraction`, `bench_step.py --gpu-cap-gib`) on an H200: a smaller "
+        "GPU's memory, not its speed (its tokens/s are the H200's). oomb-default is what `oomb train` chooses "
+        "for that memory with no tuning flags; transformers + Liger runs with gradient checkpointing.",
+        "![Longest context against GPU memory](longest_context_vs_gpu.png)",
+        table(["GPU GiB", "model", "implementation", "longest tokens", "s / step", "tok/s", "peak GPU GiB",
+               "host GiB", "settings", "commit", "date", "command"], out),
+        "Rows: for each cap, implementation and kind of gradients, the longest context that finished; the newest "
+        "row there (each run stops an implementation at its first length that does not fit).")
+
+
+def plot_gpu_sizes(rows: list[dict], path: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    lines = defaultdict(list)
+    for r in rows:
+        lines[gpu_label(r)].append((r["gpu_cap_gib"], r["seq_len"]))
+    for i, (label, points) in enumerate(sorted(lines.items())):
+        points.sort()
+        style = "--" if label.startswith("transformers") else "-"
+        ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label, color=f"C{i}")
+    ax.set_xlabel("GPU memory (GiB, the process's cap on an H200)")
+    ax.set_yscale("log", base=2)
+    ax.set_ylabel("longest context (tokens)")
+    ax.set_title("The longest context a training step reaches against GPU memory")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, metadata={"Software": None})
+    plt.close(fig)
+
+
 # --- longest context, GPT-OSS -----------------------------------------------------------------
 
 def select_longest(rows: list[dict]) -> list[dict]:
@@ -898,10 +968,12 @@ def build(results: str, out_dir: str) -> str:
     plot_1m_breakdown(select_topk(steps), os.path.join(out_dir, "step_1m_breakdown.png"))
     used = ([r for e in select_kernels(attention) for k, r in e.items() if isinstance(r, dict)]
             + [r for pair in select_dense_steps(steps) for r in pair if r] + [r for _, m in modes for r in m]
-            + select_topk(steps) + select_longest(steps) + select_gpt_oss(steps) + select_parallel(parallel)
+            + select_topk(steps) + select_longest(steps) + select_gpu_sizes(steps) + select_gpt_oss(steps)
+            + select_parallel(parallel)
             + select_soak(soak) + select_sanitize(sanitize))
     bodies = [kernels_section(attention), dense_step_section(steps), memory_section(steps), topk_section(steps),
-              offload_section(steps), longest_section(steps), gpt_oss_section(steps), parallel_section(parallel),
+              offload_section(steps), longest_section(steps), gpu_sizes_section(steps, out_dir), gpt_oss_section(steps),
+              parallel_section(parallel),
               reliability_section(soak, sanitize), REPRODUCE]
     page = intro(used) + "\n\n" + "\n\n".join(f"## {title}\n\n{body}" for title, body in zip(SECTIONS, bodies)) + "\n"
     with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:

@@ -11,9 +11,9 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
 
 HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
+            "Offload overhead", "Longest context", "Smaller GPUs", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
             "How to reproduce"]
-PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png"]
+PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png", "longest_context_vs_gpu.png"]
 MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
 K, M = 1024, 2**20
 
@@ -53,6 +53,12 @@ def sample_steps():
              lora_rank=16, checkpoint_layers=True, host_peak_gib=105.7),
         step("oomb-sparse-auto", 128 * K, 19.26, 69.41, commit="0f1e2d3", date="2026-11-29T13:14:00+00:00",
              model="gpt-oss-20b", layers=24, lora_rank=16),
+        # a 24 GiB GPU's memory (the process capped): LoRA steps until the first that does not fit
+        step("oomb-default", 256 * K, 60.0, 21.5, lora_rank=16, gpu_cap_gib=24, checkpoint_layers=True,
+             kv_grad_dtype="bf16", date="2026-12-01T02:00:00+00:00"),
+        step("oomb-default", 128 * K, 25.0, 20.9, lora_rank=16, gpu_cap_gib=24, checkpoint_layers=True,
+             date="2026-12-01T01:59:00+00:00"),
+        step("liger", 64 * K, 14.0, 21.0, lora_rank=16, gpu_cap_gib=24, date="2026-12-01T02:01:00+00:00"),
         # newer, and none of them measured the code as shipped: never picked
         step("oomb two-state-fwd(reverted)", 64 * K, 1.0, 1.0, date="2026-12-02T00:00:00+00:00"),
         step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, merged=False, date="2026-12-02T00:01:00+00:00", **KEPT),
@@ -193,3 +199,15 @@ def test_the_repository_page_is_the_generated_one(tmp_path):
     report.build(os.path.join(ROOT, "bench", "results"), str(tmp_path))
     with open(os.path.join(ROOT, "docs", "benchmarks.md")) as f:
         assert (tmp_path / "benchmarks.md").read_text() == f.read()
+
+
+def test_capped_steps_give_the_longest_context_per_gpu_size(tmp_path):
+    """Rows of a capped process (a smaller GPU's memory) stay out of the whole-GPU tables; the
+    'Smaller GPUs' table takes the longest context each implementation finished at each cap, and
+    rebuilds its command without engine flags for what oomb train chose."""
+    rows = sample_steps()
+    picked = report.select_gpu_sizes(rows)
+    assert [(r["impl"], r["seq_len"]) for r in picked] == [("liger", 64 * K), ("oomb-default", 256 * K)]
+    assert all(not r.get("gpu_cap_gib") for r in report.step_rows(rows))
+    assert report.step_command(picked[1]) == ("python bench/bench_step.py --impls oomb-default --lengths 256K "
+                                             "--lora-rank 16 --gpu-cap-gib 24")
