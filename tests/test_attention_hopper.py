@@ -15,7 +15,8 @@ if not torch.cuda.is_available():
 
 import triton  # noqa: E402
 
-from oomb.attention import paged_hopper  # noqa: E402
+from oomb import KernelOptions  # noqa: E402
+from oomb.attention import paged_hopper, resolve_backend  # noqa: E402
 from oomb.memory.store import LayerPages  # noqa: E402
 from test_attention_triton import backward_twice, make_case, run_case  # noqa: E402
 
@@ -71,6 +72,24 @@ def test_fixed_point_dq_fits_int32_in_any_order_and_sums_to_dq():
 def test_not_eligible_off_hopper():
     q, k, v, kp, vp, dk0, dv0, table, _ = make_case(1, 28, 4, 64, 128, 128, 2, torch.bfloat16)
     assert not paged_hopper.eligible(q, LayerPages(kp, vp, dk0, dv0, table))  # a CPU tensor
+
+
+def test_backend_names_its_kernels(monkeypatch):
+    """The trainer's first line prints the backend: on CUDA it says whether dense pages' backward
+    can take the fused kernel ('kernels: hopper-fused') or not ('kernels: triton': another GPU, a
+    Triton without the Gluon features, or OOMB_GLUON=0), never falling back unnamed."""
+    cuda = torch.device("cuda")  # resolve_backend and str() only read its type and capability
+    assert str(resolve_backend("auto", torch.device("cpu"))) == "torch"
+    assert str(resolve_backend("triton", torch.device("cpu"))) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: hopper-fused"
+    assert str(resolve_backend("auto", cuda, KernelOptions(gluon=False))) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", False)
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: triton"
 
 
 # ---- GPU (pytest -m gpu) ----------------------------------------------------------------

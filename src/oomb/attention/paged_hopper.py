@@ -80,13 +80,19 @@ if gl is not None:
                  and "functions_and_args" in inspect.signature(gl.warp_specialize).parameters)  # 3.6's form
 
 
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel runs on `device`: a Hopper GPU (sm_90), with a Triton that has the Gluon
+    features it uses (AVAILABLE). Which calls take it is then `eligible`'s question."""
+    return AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
+
+
 def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
     """Whether paged._backward runs the pages' backward here: dense pages with fp32 gradient pools
     (bf16 dK/dV pages take the Triton path), on a Hopper GPU, 16-bit, head_dim 128, a chunk of a
     multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools (and a page table
     whose rows are contiguous, as the store's are). Not packed documents: this kernel has no
     document mask, so their pages' backward runs in paged.py's Triton kernels."""
-    return (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (runs_on(q.device)
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == HEAD_DIM
             and q.shape[2] % BLOCK_M == 0 and pages.n_pages > 0 and pages.dk is not None
             and pages.selection is None and not pages.window and pages.key_start is None
