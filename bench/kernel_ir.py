@@ -3,7 +3,8 @@ pipeliner treated each loop: whether a loop's loads stay in flight while it comp
 
     python bench/kernel_ir.py                 # forward, dQ, dK/dV (pages; own keys); dense and top-k; H200
     python bench/kernel_ir.py --dump /tmp/ir  # also write each kernel's TTGIR there
-    python bench/kernel_ir.py --kinds hopper  # paged_hopper's Gluon backward (Triton 3.6 only; in the default set there)
+    python bench/kernel_ir.py --kinds hopper  # paged_hopper's Gluon backward (where paged_hopper.AVAILABLE:
+                                              # in the default set there)
     python bench/kernel_ir.py --packed        # the kernels' packed-documents variants (position_ids)
 
 Each kernel is compiled for sm_90 (ptxas ships with Triton) with the launch settings the GPU
@@ -19,9 +20,13 @@ bench/results/attention.jsonl.) Descriptor (TMA) loads wait on
 barriers instead; a synchronous scalar load (`tt.load` of one index) inside a loop is listed too,
 and the shared memory a program needs (an H100/H200 SM has 232,448 bytes for one), with the
 registers per thread and the bytes spilled to local memory that ptxas reports (the one Triton
-compiles with). The dK/dV kernels run at 255 registers (8 B spilled dense, 32 B top-k; ncu on the
-H200 agrees: one 8-warp program per SM). For the warp-specialised Gluon kernel ptxas reports the
-launch's registers (168); its compute warps raise theirs to 240 (setmaxnreg), the two others drop to 40.
+compiles with), and what Hopper instructions the PTX holds: wgmma products (commit groups), TMA
+copies into shared memory and reduce-adds out of it, setmaxnreg's register counts, and the TTGIR's
+warp-specialised partitions besides the default one. The dK/dV kernels run at 255 registers (8 B
+spilled dense, 32 B top-k; ncu on the H200 agrees: one 8-warp program per SM). For the
+warp-specialised Gluon kernel ptxas reports the launch's registers (168); its compute warps raise
+theirs to 240 (setmaxnreg), the two others drop to 40; five wgmma commit groups (one per tile
+product), TMA loads of K, V, Q, dO and reduce-adds of dQ (Triton 3.6 to 3.9 alike).
 To see what the GPU machine's Triton does, put that version first on PYTHONPATH
 (`pip install --target DIR triton==3.6.0`).
 
@@ -145,6 +150,17 @@ def ptxas_usage(ptx: str, arch: int = 90) -> dict:
                 spill_bytes=int(re.search(r"(\d+) bytes spill stores", info).group(1)))
 
 
+def hopper_ops(ptx: str, ttgir: str) -> dict:
+    """The Hopper instructions of a kernel: wgmma commit groups (each async product issued), TMA
+    copies global -> shared and reduce-adds shared -> global, the register counts setmaxnreg sets,
+    and the warp-specialised partitions of the TTGIR (the default one not counted)."""
+    return dict(wgmma_groups=len(re.findall(r"wgmma\.commit_group", ptx)),
+                tma_loads=len(re.findall(r"cp\.async\.bulk\.tensor\.\S*\.global\.", ptx)),
+                tma_reduces=len(re.findall(r"cp\.reduce\.async\.bulk\.tensor", ptx)),
+                setmaxnreg=sorted({int(n) for n in re.findall(r"setmaxnreg\.\S+\s+(\d+);", ptx)}),
+                partitions=len(re.findall(r"\n\s*partition\d+\(", ttgir)))
+
+
 def loop_waits(ttgir: str) -> dict:
     """What the loops of a TTGIR wait for: `num` of each wait on named copies (inside loops: the
     drains after a loop name none), the barrier waits of descriptor loads, and synchronous scalar
@@ -157,7 +173,7 @@ def loop_waits(ttgir: str) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    kinds = "fwd,dq,dkdv,dkdv_own" + (",hopper" if paged_hopper.AVAILABLE else "")  # hopper: Gluon, Triton 3.6
+    kinds = "fwd,dq,dkdv,dkdv_own" + (",hopper" if paged_hopper.AVAILABLE else "")  # hopper: Gluon
     ap.add_argument("--kinds", default=kinds)
     ap.add_argument("--dump", help="a directory for the TTGIR files")
     ap.add_argument("--json", action="store_true", help="one JSON line per kernel")
@@ -172,7 +188,7 @@ def main() -> None:
                 with open(os.path.join(args.dump, f"{kind}-{'sparse' if sparse else 'dense'}.ttgir"), "w") as f:
                     f.write(ir)
             row = dict(kernel=kind, sparse=sparse, triton=triton.__version__, shared_bytes=shared, **loop_waits(ir),
-                       **ptxas_usage(kernel.asm["ptx"]))
+                       **ptxas_usage(kernel.asm["ptx"]), **hopper_ops(kernel.asm["ptx"], ir))
             if args.json:
                 print(json.dumps(row))
             else:

@@ -94,7 +94,7 @@ def backward(dev, hopper: bool):
     """Dense pages with gradients: on Hopper the Gluon kernel takes them when the chunk is a
     multiple of its 64-query tiles (256 here), the Triton kernels when not (240)."""
     if hopper and (dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 or not paged_hopper.AVAILABLE):
-        raise Skip("the Gluon kernel needs a sm_90 GPU and Triton " + "/".join(paged_hopper.GLUON_TRITON))
+        raise Skip("the Gluon kernel needs a sm_90 GPU and a Triton with the Gluon features it uses")
     q, _, _, kp, vp, dkp, dvp, table, _ = case(dev, c=256 if hopper else None)
     taken = paged_hopper.eligible(q, LayerPages(kp, vp, dkp, dvp, table))
     assert taken == hopper, f"these inputs take the {'Gluon' if taken else 'Triton'} path"

@@ -2,8 +2,8 @@
 
 CPU: the page bounds kernel (TRITON_INTERPRET=1) against torch, and the fixed-point dQ scheme in
 float64: every share fits, any order of integer sums fits int32, and the sum is dQ. GPU (-m gpu,
-Hopper with Triton 3.6): the kernel against the float64 oracle (test_attention_triton's run_case),
-and bitwise determinism.
+Hopper, a Triton where paged_hopper.AVAILABLE): the kernel against the float64 oracle
+(test_attention_triton's run_case), and bitwise determinism.
 """
 import os
 
@@ -13,7 +13,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-from oomb.attention import paged_hopper  # noqa: E402
+import triton  # noqa: E402
+
+from oomb import KernelOptions  # noqa: E402
+from oomb.attention import paged_hopper, resolve_backend  # noqa: E402
 from oomb.memory.store import LayerPages  # noqa: E402
 from test_attention_triton import backward_twice, make_case, run_case  # noqa: E402
 
@@ -71,11 +74,30 @@ def test_not_eligible_off_hopper():
     assert not paged_hopper.eligible(q, LayerPages(kp, vp, dk0, dv0, table))  # a CPU tensor
 
 
+def test_backend_names_its_kernels(monkeypatch):
+    """The trainer's first line prints the backend: on CUDA it says whether dense pages' backward
+    can take the fused kernel ('kernels: hopper-fused') or not ('kernels: triton': another GPU, a
+    Triton without the Gluon features, or OOMB_GLUON=0), never falling back unnamed."""
+    cuda = torch.device("cuda")  # resolve_backend and str() only read its type and capability
+    assert str(resolve_backend("auto", torch.device("cpu"))) == "torch"
+    assert str(resolve_backend("triton", torch.device("cpu"))) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: hopper-fused"
+    assert str(resolve_backend("auto", cuda, KernelOptions(gluon=False))) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", False)
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: triton"
+    monkeypatch.setattr(paged_hopper, "AVAILABLE", True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert str(resolve_backend("auto", cuda)) == "triton, kernels: triton"
+
+
 # ---- GPU (pytest -m gpu) ----------------------------------------------------------------
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 hopper = pytest.mark.skipif(not (HOPPER and paged_hopper.AVAILABLE),
-                            reason="needs a Hopper GPU and Triton " + "/".join(paged_hopper.GLUON_TRITON))
+                            reason="needs a Hopper GPU" if paged_hopper.AVAILABLE else
+                            f"Triton {triton.__version__} lacks Gluon features paged_hopper uses")
 # (B, H, Hkv, C, D, P, n_pages): the target's heads (GQA 7), pages of 256 (two tiles a page), GQA 1.
 SHAPES = [(1, 28, 4, 512, 128, 128, 16), (2, 8, 2, 192, 128, 256, 3), (1, 4, 4, 128, 128, 128, 5)]
 

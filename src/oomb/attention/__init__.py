@@ -26,10 +26,11 @@ _MODULES = {"torch": "oomb.attention.cpu_flash", "triton": "oomb.attention.paged
 @dataclass(frozen=True)
 class Backend:
     """A backend's `forward` / `backward` (function.py's ops), run with `kernels` (an
-    oomb.KernelOptions, or None: every fast path on)."""
+    oomb.KernelOptions, or None: every fast path on) on `device` (None: not said; only str() looks)."""
 
     name: str
     kernels: KernelOptions | None = None
+    device: torch.device | None = None
 
     def __post_init__(self) -> None:
         if self.name not in _MODULES:
@@ -46,7 +47,15 @@ class Backend:
         return self._ops.backward(do, q, k, v, o, lse, pages, scale, include_self, kernels=self.kernels)
 
     def __str__(self) -> str:
-        return self.name
+        """'triton, kernels: hopper-fused' where dense pages' backward can take paged_hopper's fused
+        Gluon kernel (a Hopper GPU, a Triton with the Gluon features it uses, KernelOptions.gluon on;
+        per call, paged_hopper.eligible decides), 'triton, kernels: triton' where it cannot."""
+        if self.name != "triton":
+            return self.name
+        from . import paged_hopper  # imports triton: only for the triton backend
+        fused = (self.kernels is None or self.kernels.gluon) and self.device is not None and \
+            paged_hopper.runs_on(self.device)
+        return f"{self.name}, kernels: {'hopper-fused' if fused else 'triton'}"
 
 
 def resolve_backend(backend: str, device: torch.device, kernels: KernelOptions | None = None) -> Backend:
@@ -55,7 +64,7 @@ def resolve_backend(backend: str, device: torch.device, kernels: KernelOptions |
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; 'auto' picks triton on CUDA, torch elsewhere")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
-    return Backend(backend, kernels)
+    return Backend(backend, kernels, device)
 
 
 def _backend(backend) -> Backend:

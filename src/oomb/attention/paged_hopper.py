@@ -38,6 +38,7 @@ its page bounds and the fixed-point scheme.
 """
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -51,19 +52,38 @@ BLOCK_M, BLOCK_N, HEAD_DIM, STAGES = 64, 128, 128, 2
 FIXED_POINT_BITS = 29
 # KernelOptions(gluon=False) (OOMB_GLUON=0) turns the kernel off: the Triton path everywhere (A/B runs).
 
-# Gluon's API is experimental and changes between releases (3.9 renamed thread_barrier, for one):
-# the kernel is written against, and tested on, these Triton versions; any other takes the Triton path.
-GLUON_TRITON = ("3.6.",)
+# Gluon's API is experimental and moves between releases: the kernel looks up what it uses by
+# feature, under each release's name (3.6's where 3.6 has one), and runs where all of it exists;
+# any other Triton takes the Triton path. Run on the H200 with 3.6; compiled for sm_90 with 3.6 to 3.9
+# (bench/kernel_ir.py, the same IR and instructions; tests/test_kernel_ir.py with the Triton installed).
 AVAILABLE = False
-if triton.__version__.startswith(GLUON_TRITON):
+try:
     from triton._C.libtriton import ir
+    from triton._C.libtriton.gluon_ir import GluonOpBuilder
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
                                                                   warpgroup_mma_wait)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-    AVAILABLE = True
+except ImportError:  # no Gluon (Triton < 3.5), or its Hopper modules elsewhere
+    gl = None
+if gl is not None:
+    # 3.6: thread_barrier; 3.7 on: barrier (cluster=False: the same CTA-wide bar.sync).
+    _thread_barrier = getattr(gl, "thread_barrier", None) or getattr(gl, "barrier", None)
+    # 3.6, 3.7: async_copy_global_to_shared; 3.8 on: async_load (3.9 keeps the old name, as an error).
+    _tma_load = getattr(tma, "async_load", None) or getattr(tma, "async_copy_global_to_shared", None)
+    # 3.8 on: async_atomic_add; 3.6, 3.7 have the op without a wrapper (the builtin below).
+    _tma_reduce_add = getattr(tma, "async_atomic_add", None)
+    AVAILABLE = (_thread_barrier is not None and _tma_load is not None
+                 and (_tma_reduce_add is not None or hasattr(GluonOpBuilder, "create_async_tma_reduce"))
+                 and "functions_and_args" in inspect.signature(gl.warp_specialize).parameters)  # 3.6's form
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the kernel runs on `device`: a Hopper GPU (sm_90), with a Triton that has the Gluon
+    features it uses (AVAILABLE). Which calls take it is then `eligible`'s question."""
+    return AVAILABLE and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
@@ -72,7 +92,7 @@ def eligible(q: torch.Tensor, pages: LayerPages) -> bool:
     multiple of 64 queries, pages of a multiple of 128 keys in contiguous pools (and a page table
     whose rows are contiguous, as the store's are). Not packed documents: this kernel has no
     document mask, so their pages' backward runs in paged.py's Triton kernels."""
-    return (AVAILABLE and q.is_cuda and torch.cuda.get_device_capability(q.device)[0] == 9
+    return (runs_on(q.device)
             and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] == HEAD_DIM
             and q.shape[2] % BLOCK_M == 0 and pages.n_pages > 0 and pages.dk is not None
             and pages.selection is None and not pages.window and pages.key_start is None
@@ -147,13 +167,14 @@ def _descriptor(x: torch.Tensor, rows: int, dtype) -> "TensorDescriptor":
 
 
 if AVAILABLE:
-    @builtin
-    def _tma_reduce_add(desc, coord, src, _semantic=None):
-        """TMA reduce-add of the shared-memory tile `src` into `desc` at `coord`
-        (cp.reduce.async.bulk.tensor): Gluon 3.6 has the op but no wrapper. Its source is read
-        once tma.store_wait says so."""
-        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
+    if _tma_reduce_add is None:
+        @builtin
+        def _tma_reduce_add(desc, coord, src, _semantic=None):
+            """TMA reduce-add of the shared-memory tile `src` into `desc` at `coord`
+            (cp.reduce.async.bulk.tensor), as 3.8's tma.async_atomic_add. Its source is read once
+            tma.store_wait says so."""
+            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+            _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, desc.handle, coord, src.handle)
 
     @gluon.jit
     def _rint(x):
@@ -165,14 +186,14 @@ if AVAILABLE:
     def _loader(Q, DO, K, V, q_smem, do_smem, k_smem, v_smem, kv_ready, ready, empty, kv_row, row0, n_iter,
                 STAGES: gl.constexpr, BLOCK_M: gl.constexpr):
         mbarrier.expect(kv_ready, 2 * K.block_type.nbytes)
-        tma.async_copy_global_to_shared(K, [kv_row, 0], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(V, [kv_row, 0], kv_ready, v_smem)
+        _tma_load(K, [kv_row, 0], kv_ready, k_smem)
+        _tma_load(V, [kv_row, 0], kv_ready, v_smem)
         for i in range(n_iter):
             stage = i % STAGES
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             mbarrier.expect(ready.index(stage), 2 * Q.block_type.nbytes)
-            tma.async_copy_global_to_shared(Q, [row0 + i * BLOCK_M, 0], ready.index(stage), q_smem.index(stage))
-            tma.async_copy_global_to_shared(DO, [row0 + i * BLOCK_M, 0], ready.index(stage), do_smem.index(stage))
+            _tma_load(Q, [row0 + i * BLOCK_M, 0], ready.index(stage), q_smem.index(stage))
+            _tma_load(DO, [row0 + i * BLOCK_M, 0], ready.index(stage), do_smem.index(stage))
 
     @gluon.jit
     def _dq_writer(DQI, dq_smem, dq_full, dq_empty, row0, n_iter, BLOCK_M: gl.constexpr):
@@ -224,7 +245,7 @@ if AVAILABLE:
             ds_s = ds_smem.index(buf)
             ds_s.store(dsT)
             fence_async_shared()
-            gl.thread_barrier()  # both warpgroups' dS^T rows in shared memory before dQ's product reads them
+            _thread_barrier()  # both warpgroups' dS^T rows in shared memory before dQ's product reads them
             # dQ's product before dK's: its conversion and hand-off run while dK's runs (7 % at 64K keys).
             dq = warpgroup_mma(ds_s.permute((1, 0)), k_smem, zero_q, use_acc=False, is_async=True)
             dk = warpgroup_mma(gl.convert_layout(dsT, a_op), q_s, dk, is_async=True)
@@ -234,10 +255,10 @@ if AVAILABLE:
             mbarrier.wait(dq_empty.index(buf), ((i // 2) & 1) ^ 1)
             dq_smem.index(buf).store(dqi)
             fence_async_shared()
-            gl.thread_barrier()
+            _thread_barrier()
             mbarrier.arrive(dq_full.index(buf), count=1)
             dk = warpgroup_mma_wait(num_outstanding=0, deps=(dk, ))
-            gl.thread_barrier()  # both warpgroups done reading the stage
+            _thread_barrier()  # both warpgroups done reading the stage
             mbarrier.arrive(empty.index(stage), count=1)
         return dk, dv
 
