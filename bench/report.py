@@ -337,10 +337,11 @@ def kernels_section(rows: list[dict]) -> str:
 
 def select_dense_steps(rows: list[dict]) -> list[tuple[dict, dict]]:
     """For each context: the newest run (commit and day) with a dense oomb step there (offload
-    'none', the whole preset, full-parameter gradients); each oomb row of that run at that
-    context, with the run's transformers + Liger row there nearest in time (or None)."""
+    'none', or what oomb train chooses: oomb-default; the whole preset, full-parameter gradients);
+    each oomb row of that run at that context, with the run's transformers + Liger row there
+    nearest in time (or None)."""
     rows = [r for r in step_rows(rows) if base_options(r) and not r.get("lora_rank")]
-    oomb = [r for r in rows if r["impl"] == "oomb"]
+    oomb = [r for r in rows if r["impl"] in ("oomb", "oomb-default")]
     pairs = []
     for n in sorted({r["seq_len"] for r in oomb}):
         at_n = [r for r in oomb if r["seq_len"] == n]

@@ -163,6 +163,12 @@ def test_dense_steps_pair_with_the_liger_step_of_their_run():
     pairs = report.select_dense_steps(sample_steps() + [older])
     assert all(liger is not None and liger["commit"] == r["commit"] for r, liger in pairs)
     assert [liger["step_s"] for r, liger in pairs if r["seq_len"] == 64 * K] == [12.41, 12.41]
+    # what oomb train chooses (no tuning flags), beside the Liger step of its run
+    default = step("oomb-default", 64 * K, 11.5, 120.0, chunk_size=8192, commit="9a8b7c6",
+                   date="2026-12-03T01:00:00+00:00")
+    liger = step("liger", 64 * K, 12.3, 52.9, commit="9a8b7c6", date="2026-12-03T01:02:00+00:00")
+    pairs = report.select_dense_steps(sample_steps() + [default, liger])
+    assert [(r["impl"], b["step_s"]) for r, b in pairs if r["seq_len"] == 64 * K] == [("oomb-default", 12.3)]
 
 
 def test_a_peak_counts_only_at_the_longest_length_of_its_process():
