@@ -47,9 +47,9 @@ def test_host_arena_is_reused_across_steps():
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", group_pages=2)
     engine.forward_backward(torch.randint(0, 97, (1, 200)))
-    arena = engine.store.host.arena[0][0]
+    arena = engine.store.host.arena[0].k
     engine.forward_backward(torch.randint(0, 97, (1, 150)))  # shorter: same arena
-    assert engine.store.host.arena[0][0] is arena
+    assert engine.store.host.arena[0].k is arena
 
 
 def test_reserve_allocates_up_front():
@@ -57,10 +57,10 @@ def test_reserve_allocates_up_front():
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto",
                                        gpu_page_budget_bytes=2 * 12 * 16 * 256)  # one layer's pages
     engine.reserve(2, 200)  # 7 chunks: 6 stored x 2 pages a sequence and layer
-    slots, arena = engine.store.pool.n_slots, engine.store.host.arena[1][0]
+    slots, arena = engine.store.pool.n_slots, engine.store.host.arena[1].k
     assert slots == 1 * 2 * 12 and arena.shape[:2] == (12, 2)
     engine.forward_backward(torch.randint(0, 97, (2, 200)))
-    assert engine.store.pool.n_slots == slots and engine.store.host.arena[1][0] is arena
+    assert engine.store.pool.n_slots == slots and engine.store.host.arena[1].k is arena
 
 
 def test_shorter_step_keeps_the_pinned_arena():
@@ -70,14 +70,14 @@ def test_shorter_step_keeps_the_pinned_arena():
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto",
                                        gpu_page_budget_bytes=2 * 12 * 16 * 256)  # one layer's pages at 200 tokens
     engine.reserve(2, 200)
-    host, arena = engine.store.host, engine.store.host.arena[1][0]
+    host, arena = engine.store.host, engine.store.host.arena[1].k
     ids = torch.randint(0, 97, (2, 200), generator=torch.Generator().manual_seed(0))
     first = engine.forward_backward(ids).loss
     engine.forward_backward(ids[:, :40])  # 2 stored pages a layer: both layers fit the budget
     assert engine.store._row == {0: 0, 1: 1} and engine.store.host is host
     model.zero_grad(set_to_none=True)
     assert torch.equal(engine.forward_backward(ids).loss, first)
-    assert engine.store.host.arena[1][0] is arena and engine.store.host.layers == [1]
+    assert engine.store.host.arena[1].k is arena and engine.store.host.layers == [1]
 
 
 def test_host_memory_is_checked_before_the_step(monkeypatch):

@@ -145,7 +145,7 @@ def test_sparse_offload_identical_to_device_pool(backend):
     cfg = oomb.TopKPages(budget=2, block_queries=32, chunk_budget=3)
     _, loss, grads = run(model, ids, cfg, backend, group_pages=3)
     engine, loss_all, grads_all = run(model, ids, cfg, backend, group_pages=3, offload="all")
-    assert engine.store.host.staging[0][0].shape[0] == 3 * 2  # chunk_budget pages x batch 2
+    assert engine.store.host.staging[0].k.shape[0] == 3 * 2  # chunk_budget pages x batch 2
     assert torch.equal(loss, loss_all)
     assert all(torch.equal(grads[n], grads_all[n]) for n in grads)
     # 'auto' with room for one layer: layer 0's pages and representatives in the device pool,

@@ -33,7 +33,7 @@ from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shift
 from .memory.device import device_memory
 from .memory.kept import KeptAttention
 from .memory.pinned import available_host_bytes
-from .memory.spec import PageSpec, staging_bytes
+from .memory.spec import PageSpec, ScheduledGroups, staging_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
 from .parallel import local_tensor
@@ -333,7 +333,7 @@ class ChunkRecurrentEngine:
         # A host layer's first group of pages starts loading while the layer before it (the one
         # after it, in backward) still computes, into the staging buffer that layer is done with
         # (_HostGroups.then), so the transfer hides behind that layer's attention and MLP.
-        ahead: dict[int, object] = {}  # layer -> its groups, made (and loading) one layer early
+        ahead: dict[int, ScheduledGroups | None] = {}  # layer -> its groups, made (and loading) one layer early
 
         def look_ahead(i: int, j: int, with_grad: bool) -> None:
             if self.config.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
@@ -387,7 +387,7 @@ class ChunkRecurrentEngine:
         groups.prefetch(True)
         look_ahead(i, i - 1, True)
 
-    def _known_groups(self, c: int, i: int, n_pages: int):
+    def _known_groups(self, c: int, i: int, n_pages: int) -> ScheduledGroups | None:
         """The groups of earlier pages layer i of chunk c reads, when they are known before its
         projections (dense; sparse with a kept selection), else None."""
         window = self.adapter.window(i)

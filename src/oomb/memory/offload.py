@@ -6,8 +6,8 @@ and a group's pages are each one contiguous range:
     k, v    (max_pages, B, Hkv, P, D)  model dtype
     dk, dv  (max_pages, B, Hkv, P, D)  grad dtype
     reps    (max_pages, B, Hkv, R, D)  model dtype, sparse attention's page representatives
-(dK/dV only with gradient pages; reps only with sparse attention: always the last of a layer's)
-GPU staging, two buffers (double buffering) of `group_pages` pages (a layer's pages, when fewer):
+(a HostLayer each: dk, dv only with gradient pages, reps only with sparse attention)
+GPU staging, two buffers (Staged, double buffering) of `group_pages` pages (a layer's pages, when fewer):
     k, v, dk, dv  (group_pages * B, Hkv, P, D);  staged page j of sequence b is slot j*B + b
 
 Ordering is by CUDA events on two copy streams (host->GPU and GPU->host, so both directions
@@ -42,13 +42,34 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from .dma import batch_copier, copy_rows, row_copies
 from .pinned import empty_pinned
-from .spec import LayerPages, PageSpec, staged_slots, staging_bytes
+from .spec import LayerPages, PageSpec, ScheduledGroups, staged_slots, staging_bytes
+
+
+class HostLayer(NamedTuple):
+    """One host layer's pinned pages (the arena, module docstring): dk, dv with gradient pages,
+    reps with sparse attention, else None."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
+    reps: torch.Tensor | None = None
+
+
+class Staged(NamedTuple):
+    """One staging buffer on the device: k, v (and dk, dv with gradient pages)."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    dk: torch.Tensor | None = None
+    dv: torch.Tensor | None = None
 
 
 class HostPages:
@@ -65,9 +86,9 @@ class HostPages:
         # the copy engines' batched copy, if the driver has it (else the zero-copy kernel, copy_rows)
         self.dma = batch_copier() if self.cuda and copy_engines else None
         self.local_ranks = local_ranks
-        self.arena: dict[int, list[torch.Tensor]] = {}  # layer -> [k, v, dk, dv(, reps)]
+        self.arena: dict[int, HostLayer] = {}
         self.batch = self.max_pages = 0
-        self.staging: list[list[torch.Tensor]] = []  # buf -> [k, v, dk, dv]
+        self.staging: list[Staged] = []  # the two buffers
         self.rep_staging: torch.Tensor | None = None  # one host layer's representatives, on the device
         self.ready = [self._event(), self._event()]
         self.used = [self._event(), self._event()]
@@ -107,16 +128,17 @@ class HostPages:
             self.arena = {}  # free the old arena before pinning the new one
             pin = self.cuda
             dtypes = (s.dtype, s.dtype) + ((s.grad_dtype, s.grad_dtype) if s.grads else ())
-            self.arena = {layer: [empty_pinned(shape, dt, pin, self.local_ranks) for dt in dtypes]
+            reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
+            self.arena = {layer: HostLayer(*(empty_pinned(shape, dt, pin, self.local_ranks) for dt in dtypes),
+                                           **({"reps": empty_pinned(reps, s.dtype, pin, self.local_ranks)}
+                                              if self.rep_size else {}))
                           for layer in self.layers}
             if self.rep_size:
-                reps = (max_pages, batch, s.n_kv_heads, self.rep_size, s.head_dim)
-                for layer in self.layers:
-                    self.arena[layer].append(empty_pinned(reps, s.dtype, pin, self.local_ranks))
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
             n = staged_slots(self.group_pages, max_pages)
             slots = (n * batch, s.n_kv_heads, s.page_size, s.head_dim)
-            self.staging = [[torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes] for _ in range(2)]
+            self.staging = [Staged(*(torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes))
+                            for _ in range(2)]
             # staged page j of sequence b sits in slot j*B + b
             self.table = torch.arange(n * batch, dtype=torch.int32, device=self.device).view(n, batch).t()  # (B, n)
             self.batch, self.max_pages = batch, max_pages
@@ -125,9 +147,9 @@ class HostPages:
 
     def write(self, layer: int, first_page: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: (B, Hkv, n*P, D) on the device -> host pages [first_page, first_page + n)."""
-        host_k, host_v = self.arena[layer][:2]
+        host = self.arena[layer]
         n = k.shape[2] // self.spec.page_size
-        for x, dst in ((k, host_k), (v, host_v)):
+        for x, dst in ((k, host.k), (v, host.v)):
             b, h, t, d = x.shape
             pages = x.reshape(b, h, n, t // n, d).permute(2, 0, 1, 3, 4).contiguous()  # (n, B, Hkv, P, D)
             with self._on_copy_stream(after_compute=True):
@@ -138,14 +160,14 @@ class HostPages:
             return
         zeros = self._zero_pages(n)
         with self._on_copy_stream(after_compute=True):  # the zero buffer was made on the compute stream
-            for host in self.arena[layer][2:4]:
-                host[first_page : first_page + n].copy_(zeros, non_blocking=True)
+            for grads in (host.dk, host.dv):
+                grads[first_page : first_page + n].copy_(zeros, non_blocking=True)
 
     def write_reps(self, layer: int, first_page: int, reps: torch.Tensor) -> None:
         """reps: (B, n, Hkv, R, D) on the device -> the host's [first_page, first_page + n)."""
         pages = reps.transpose(0, 1).contiguous()  # (n, B, Hkv, R, D)
         with self._on_copy_stream(after_compute=True):
-            self.arena[layer][-1][first_page : first_page + pages.shape[0]].copy_(pages, non_blocking=True)
+            self.arena[layer].reps[first_page : first_page + pages.shape[0]].copy_(pages, non_blocking=True)
         if self.cuda:
             pages.record_stream(self.copy_stream)
 
@@ -153,16 +175,17 @@ class HostPages:
         """(B, n_pages, Hkv, R, D) on the device, valid on the current stream until the next call."""
         staged = self.rep_staging[:n_pages]
         with self._on_copy_stream(after_compute=True):  # after the last selection read the buffer
-            staged.copy_(self.arena[layer][-1][:n_pages], non_blocking=True)
+            staged.copy_(self.arena[layer].reps[:n_pages], non_blocking=True)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         return staged.transpose(0, 1)
 
     def earlier_keys(self, layer: int, n_pages: int) -> torch.Tensor:
         """(B, Hkv, n_pages * P, D) on the device: a copy of the layer's first n_pages keys."""
-        out = torch.empty((n_pages,) + self.arena[layer][0].shape[1:], dtype=self.spec.dtype, device=self.device)
+        keys = self.arena[layer].k
+        out = torch.empty((n_pages,) + keys.shape[1:], dtype=self.spec.dtype, device=self.device)
         with self._on_copy_stream(after_compute=True):  # after the writes queued on the same stream
-            out.copy_(self.arena[layer][0][:n_pages], non_blocking=True)
+            out.copy_(keys[:n_pages], non_blocking=True)
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
             out.record_stream(self.copy_stream)
@@ -179,7 +202,7 @@ class HostPages:
     # -- reading: groups of pages on the device --------------------------------------------
 
     def page_groups(self, layer: int, first: int, n_pages: int, extra: dict,
-                    pages: torch.Tensor | None = None, host_pages: tuple | None = None) -> "_HostGroups":
+                    pages: torch.Tensor | None = None, host_pages: tuple | None = None) -> ScheduledGroups:
         """Pages [first, n_pages) of `layer`, or only `pages` ((B, n) logical pages on the
         device: a sparse selection's, staged as one group by a gather; `host_pages`, their copy
         from copy_rows_to_host, lets the copy engines gather them)."""
@@ -213,8 +236,9 @@ class HostPages:
         with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_stream(self.d2h_stream)  # the previous chunk's write-backs
-            pair = [host[first_page : first_page + n_pages].to(self.device, non_blocking=True)
-                    for host in self.arena[layer][2:4]]
+            host = self.arena[layer]
+            pair = [grads[first_page : first_page + n_pages].to(self.device, non_blocking=True)
+                    for grads in (host.dk, host.dv)]
         copied = self._event()
         if self.cuda:
             copied.record(self.copy_stream)
@@ -236,47 +260,49 @@ class HostPages:
     def _load(self, buf: int, layer: int, span: tuple[int, int], with_grad: bool,
               rows: torch.Tensor | None = None, host_rows: np.ndarray | None = None) -> None:
         """Stage pages [start, end) of `layer` (or the host rows `rows`: a gather; by the copy
-        engines when the host has them, `host_rows`) in `buf`."""
-        start, end = span
-        n = (end - start) * self.batch
-        host = self.arena[layer]
-        staged = self.staging[buf]
-        tensors = range(4 if with_grad else 2)
+        engines when the host has them, `host_rows`) in `buf`: K, V, and dK, dV `with_grad`."""
         with self._on_copy_stream(after_compute=False):
             if self.cuda:
                 self.copy_stream.wait_event(self.used[buf])  # compute is done with this buffer
                 self.copy_stream.wait_event(self.stored[buf])  # and its dK/dV are back on the host
-            if host_rows is not None:
-                self._batch([row_copies(host[i].flatten(0, 1), host_rows, staged[i], None) for i in tensors],
-                            self.copy_stream)
-            elif rows is not None:
-                for i in tensors:
-                    copy_rows(host[i].flatten(0, 1), rows, staged[i], None)
-            else:
-                for i in tensors:
-                    staged[i][:n].copy_(host[i][start:end].flatten(0, 1), non_blocking=True)
+            names = ("k", "v", "dk", "dv") if with_grad else ("k", "v")
+            self._transfer(names, buf, layer, span, False, rows, host_rows, self.copy_stream)
             if self.cuda:
                 self.ready[buf].record(self.copy_stream)
 
     def _store_grads(self, buf: int, layer: int, span: tuple[int, int], rows: torch.Tensor | None = None,
                      host_rows: np.ndarray | None = None) -> None:
-        start, end = span
-        n = (end - start) * self.batch
-        pairs = [(self.staging[buf][i], self.arena[layer][i].flatten(0, 1)) for i in (2, 3)]
-        stream = torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext()
-        with stream:
+        """The dK, dV of a group staged in `buf` back to the host, once compute is done with them."""
+        with torch.cuda.stream(self.d2h_stream) if self.cuda else contextlib.nullcontext():
             if self.cuda:
                 self.d2h_stream.wait_event(self.used[buf])
-            if host_rows is not None:
-                self._batch([row_copies(staged, None, host, host_rows) for staged, host in pairs], self.d2h_stream)
-            elif rows is not None:
-                for staged, host in pairs:
-                    copy_rows(staged, None, host, rows)
-            else:
-                for staged, host in pairs:
-                    host[start * self.batch : end * self.batch].copy_(staged[:n], non_blocking=True)
+            self._transfer(("dk", "dv"), buf, layer, span, True, rows, host_rows, self.d2h_stream)
             if self.cuda:
                 self.stored[buf].record(self.d2h_stream)
+
+    def _transfer(self, names: tuple[str, ...], buf: int, layer: int, span: tuple[int, int], to_host: bool,
+                  rows: torch.Tensor | None, host_rows: np.ndarray | None, stream) -> None:
+        """The one copy between `layer`'s arena and staging buffer `buf`, of the tensors `names`, on
+        the current stream: a gather's rows by the copy engines (`host_rows`) or by copy_rows
+        (`rows`), else pages [start, end), one contiguous range each side."""
+        start, end = span
+        pairs = [(getattr(self.arena[layer], x).flatten(0, 1), getattr(self.staging[buf], x)) for x in names]
+        if host_rows is not None:
+            self._batch([row_copies(staged, None, host, host_rows) if to_host
+                         else row_copies(host, host_rows, staged, None) for host, staged in pairs], stream)
+        elif rows is not None:
+            for host, staged in pairs:
+                if to_host:
+                    copy_rows(staged, None, host, rows)
+                else:
+                    copy_rows(host, rows, staged, None)
+        else:
+            lo, hi = start * self.batch, end * self.batch  # staged page j of sequence b: row j * B + b
+            for host, staged in pairs:
+                if to_host:
+                    host[lo:hi].copy_(staged[: hi - lo], non_blocking=True)
+                else:
+                    staged[: hi - lo].copy_(host[lo:hi], non_blocking=True)
 
     def _batch(self, copies: list[tuple[np.ndarray, np.ndarray, np.ndarray]], stream) -> None:
         """One batched copy-engine call for every (dsts, srcs, sizes) of `copies`."""
@@ -302,7 +328,7 @@ def _gather_rows(pages: torch.Tensor) -> torch.Tensor:
 
 
 class _HostGroups:
-    """A host layer's earlier pages as groups staged on the device (see attention/function.py)."""
+    """A host layer's earlier pages as groups staged on the device (a ScheduledGroups)."""
 
     def __init__(self, host: HostPages, layer: int, first: int, n_pages: int, extra: dict,
                  pages: torch.Tensor | None, host_pages: tuple | None = None) -> None:
@@ -345,7 +371,7 @@ class _HostGroups:
         if self.spans and self._key(with_grad) not in self.host._prefetched.values():
             self.host._prefetched[self._begin(with_grad)] = self._key(with_grad)
 
-    def then(self, with_grad: bool, groups) -> None:
+    def then(self, with_grad: bool, groups: ScheduledGroups) -> None:
         """Start loading `groups`' first group (the next layer this pass reads) as early as the two
         staging buffers allow: now when this layer's pages are one group, else once its last group
         is in use (until then its groups alternate between the buffers)."""
@@ -373,9 +399,9 @@ class _HostGroups:
     def __call__(self, with_grad: bool):
         host, layer, spans = self.host, self.layer, self.spans
         if not spans:
-            k, v, *grads = host.staging[0]
-            dk, dv = grads if with_grad else (None, None)
-            yield LayerPages(k, v, dk, dv, host.table[:, :0], 0, **self.extra)
+            staged = host.staging[0]
+            yield LayerPages(staged.k, staged.v, *((staged.dk, staged.dv) if with_grad else (None, None)),
+                             host.table[:, :0], 0, **self.extra)
             return
         key = self._key(with_grad)
         first = next((b for b, k in host._prefetched.items() if k == key), None)
@@ -393,9 +419,9 @@ class _HostGroups:
                 self._then.pop(with_grad).prefetch(with_grad)
             if host.cuda:
                 torch.cuda.current_stream(host.device).wait_event(host.ready[buf])
-            k, v, *grads = host.staging[buf]
-            dk, dv = grads if with_grad else (None, None)
-            yield LayerPages(k, v, dk, dv, host.table[:, : end - start], start, **self.extra)
+            staged = host.staging[buf]
+            yield LayerPages(staged.k, staged.v, *((staged.dk, staged.dv) if with_grad else (None, None)),
+                             host.table[:, : end - start], start, **self.extra)
             if host.cuda:
                 host.used[buf].record(torch.cuda.current_stream(host.device))
             if with_grad:

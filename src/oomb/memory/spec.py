@@ -3,7 +3,8 @@ reads of a layer's pages, a page's sparse-attention representative, and a chunk'
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -101,6 +102,21 @@ class LayerPages(NamedTuple):
     @property
     def n_pages(self) -> int:
         return self.table.shape[1]
+
+
+class ScheduledGroups(Protocol):
+    """A layer's earlier pages as the engine reads them (memory/store.py's page_groups and
+    selected_groups): attention/function.py's PageGroups, and the transfers started early."""
+
+    def __call__(self, with_grad: bool) -> Iterator[LayerPages]:
+        """Yield the groups on the compute device (with dK/dV `with_grad`, written back after each)."""
+
+    def prefetch(self, with_grad: bool) -> None:
+        """Start moving the first group to the device now (nothing to do for pages already there)."""
+
+    def then(self, with_grad: bool, groups: "ScheduledGroups") -> None:
+        """Start `groups`' first group (the next layer this pass reads) as soon as this layer's
+        groups leave a staging buffer free."""
 
 
 def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:

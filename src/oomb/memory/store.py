@@ -22,7 +22,7 @@ import torch
 
 from .offload import HostPages
 from .pool import PagePool
-from .spec import LayerPages, PageSpec, Selection, page_representatives
+from .spec import LayerPages, PageSpec, ScheduledGroups, Selection, page_representatives
 
 
 class PagedKVStore:
@@ -176,7 +176,8 @@ class PagedKVStore:
             self.dk.index_fill_(0, slots.flatten(), 0)
             self.dv.index_fill_(0, slots.flatten(), 0)
 
-    def page_groups(self, layer: int, n_pages: int, window: int = 0, first_page: int = 0, docs=None):
+    def page_groups(self, layer: int, n_pages: int, window: int = 0, first_page: int = 0,
+                    docs=None) -> ScheduledGroups:
         """The first `n_pages` pages of `layer` (the chunks before the current one), as a
         callable that yields them `group_pages` at a time (see attention/function.py); with a
         `window`, only the pages a sliding window starting at the chunk can reach; from
@@ -194,7 +195,7 @@ class PagedKVStore:
         return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.staged_pages)
 
     def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int,
-                        copy_engines: bool = False, docs=None):
+                        copy_engines: bool = False, docs=None) -> ScheduledGroups:
         """The pages a sparse selection reads of the first `n_pages` pages of `layer`, as one
         group: its pages are the chunk's candidates, its per-block picks index them. A host
         layer's move on the copy engines with `copy_engines` (its host copy is done, or nearly:
@@ -249,7 +250,8 @@ class PagedKVStore:
 
 
 class _PoolGroups:
-    """A device layer's earlier pages, `group_pages` at a time, read in place from the pool."""
+    """A device layer's earlier pages, `group_pages` at a time, read in place from the pool
+    (a ScheduledGroups)."""
 
     def __init__(self, store: PagedKVStore, table: torch.Tensor, first: int, extra: dict, group_pages: int) -> None:
         self.store, self.table, self.first, self.extra = store, table, first, extra  # table (B, n_pages)
@@ -258,7 +260,7 @@ class _PoolGroups:
     def prefetch(self, with_grad: bool) -> None:
         pass  # already on the device
 
-    def then(self, with_grad: bool, groups) -> None:
+    def then(self, with_grad: bool, groups: ScheduledGroups) -> None:
         groups.prefetch(with_grad)  # this layer needs no staging buffer: the next one's can load now
 
     def __call__(self, with_grad: bool):
