@@ -241,7 +241,9 @@ def test_evaluation_only_engine_has_no_gradient_pages(offload):
     assert torch.equal(engine.evaluate(ids).loss, ref)
     assert engine.spec.page_bytes == engine.spec.kv_bytes and engine.store.dk is None
     if offload == "all":
-        assert [len(t) for t in engine.store.host.arena.values()] == [2, 2]  # K and V only
+        arena = engine.store.host.arena.values()
+        assert len(arena) == 2 and all(h.dk is None and h.dv is None for h in arena)  # K and V only
+        assert all(s.dk is None for s in engine.store.host.staging)
     with pytest.raises(ValueError, match="kv_grad_dtype=None \\(evaluation only"):
         engine.forward_backward(ids)
 

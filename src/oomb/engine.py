@@ -330,31 +330,13 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
 
-        # A host layer's first group of pages starts loading while the layer before it (the one
-        # after it, in backward) still computes, into the staging buffer that layer is done with
-        # (_HostGroups.then), so the transfer hides behind that layer's attention and MLP.
-        ahead: dict[int, ScheduledGroups | None] = {}  # layer -> its groups, made (and loading) one layer early
-
-        def look_ahead(i: int, j: int, with_grad: bool) -> None:
-            if self.config.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
-                return
-            if not with_grad and self.kept.has(c, j):
-                return  # its forward reads no page: its output was kept by stage 1
-            if ahead.get(j) is None:
-                ahead[j] = self._known_groups(c, j, first_page)  # None: selected by its own q (the last chunk)
-            if ahead[j] is None:
-                return
-            if with_grad or not self.kept.has(c, i):  # layer i reads its pages in this pass
-                ahead[i].then(with_grad, ahead[j])
-            else:
-                ahead[j].prefetch(with_grad)
+        ahead = _LookAhead(self, c, first_page)
 
         def layer_step(i, layer, h, cos, sin):
             known = self.kept.get(c, i)
             q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=known is None,
-                                            groups=ahead.get(i))
-            ahead[i] = groups
-            look_ahead(i, i + 1, False)
+                                            groups=ahead.groups.get(i))
+            ahead.forward(i, groups)
             if not last:
                 # Later chunks' attention to this chunk's keys left its dK/dV in the pages.
                 k, v = _AddPageGrads.apply(k, v, self.store.chunk_grads(i, first_page, pages_per_chunk))
@@ -373,19 +355,11 @@ class ChunkRecurrentEngine:
                                    use_reentrant=False)
                     continue
                 h, groups = layer_step(i, layer, h, cos, sin)
-                # The layer's backward starts when its output's gradient is ready: load its first
-                # group of pages (and their dK/dV) then, behind the MLP's backward, if the layer
-                # after it did not already, and the next layer's.
-                h.register_hook(functools.partial(self._backward_starts, groups, look_ahead, i))
+                h.register_hook(functools.partial(ahead.backward_starts, groups, i))  # its pages' transfers
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator, self._fused_ce)
             h.backward(grad_h)
         return ce_sum
-
-    @staticmethod
-    def _backward_starts(groups, look_ahead, i: int, grad: torch.Tensor) -> None:
-        groups.prefetch(True)
-        look_ahead(i, i - 1, True)
 
     def _known_groups(self, c: int, i: int, n_pages: int) -> ScheduledGroups | None:
         """The groups of earlier pages layer i of chunk c reads, when they are known before its
@@ -668,6 +642,46 @@ class _GradSums:
             total = self.sums.pop(p, None)
             if total is not None:
                 p.grad = total.to(p.dtype)
+
+
+class _LookAhead:
+    """Stage 2's page transfers for one chunk, each started a layer early: a host layer's first
+    group of pages starts loading while the layer before it (the one after it, in backward)
+    still computes, into the staging buffer that layer is done with (ScheduledGroups.then), so
+    the transfer hides behind that layer's attention and MLP."""
+
+    def __init__(self, engine: ChunkRecurrentEngine, c: int, first_page: int) -> None:
+        self.engine, self.c, self.first_page = engine, c, first_page
+        self.groups: dict[int, ScheduledGroups | None] = {}  # layer -> its groups, made (loading) a layer early
+
+    def forward(self, i: int, groups: ScheduledGroups) -> None:
+        """Layer i's forward reads `groups`: the next layer's may start loading."""
+        self.groups[i] = groups
+        self._next(i, i + 1, False)
+
+    def backward_starts(self, groups: ScheduledGroups, i: int, grad: torch.Tensor) -> None:
+        """A hook on layer i's output: its backward starts when the output's gradient is ready.
+        Load its first group of pages (and their dK/dV) then, behind the MLP's backward, if the
+        layer after it did not already, and the next layer's (i - 1)."""
+        groups.prefetch(True)
+        self._next(i, i - 1, True)
+
+    def _next(self, i: int, j: int, with_grad: bool) -> None:
+        """Start layer j's first group after layer i's (j read next in this pass)."""
+        engine, c, a = self.engine, self.c, self.engine.adapter
+        if engine.config.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
+            return
+        if not with_grad and engine.kept.has(c, j):
+            return  # its forward reads no page: its output was kept by stage 1
+        if self.groups.get(j) is None:
+            # None: selected by its own queries (the last chunk)
+            self.groups[j] = engine._known_groups(c, j, self.first_page)
+        if self.groups[j] is None:
+            return
+        if with_grad or not engine.kept.has(c, i):  # layer i reads its pages in this pass
+            self.groups[i].then(with_grad, self.groups[j])
+        else:
+            self.groups[j].prefetch(with_grad)
 
 
 class _HostLead:
