@@ -4,10 +4,9 @@ error when nothing fits; and the trainer's retry after a first step that runs ou
 import pytest
 import torch
 
-from oomb.auto import (AUTO_FIELDS, Machine, NothingFits, candidates, choose, chunk_sizes, compiles, step_cost,
-                       _fitting, _place)
+from oomb.auto import AUTO_FIELDS, Machine, NothingFits, candidates, choose, chunk_sizes, compiles, judge, step_cost
 from oomb.config import EngineConfig
-from oomb.plan import gpu_margin, longest_context, plan
+from oomb.plan import gpu_margin, longest_context
 from oomb.presets import preset_config
 
 GIB = 2**30
@@ -19,8 +18,7 @@ def brute_force(config, seq_len, machine, base, free=AUTO_FIELDS, **plan_args):
     """Every setting's (cost, fits), by plan and placement alone."""
     out = []
     for engine in candidates(base, free, seq_len):
-        p = plan(config, seq_len, engine=engine, **plan_args)
-        fit = _place(_fitting(config, seq_len, 1, engine, p, plan_args), engine, machine)
+        fit = judge(config, seq_len, 1, engine, machine, plan_args)[1]
         d = fit.decision
         share = d.host_layers / (d.host_layers + d.device_layers) if d and d.host_layers else 0.0
         out.append((step_cost(engine, share), fit.fits, engine, fit))
@@ -81,9 +79,7 @@ def test_nothing_fits_names_the_longest_context_that_does():
     # that length fits (a setting is found), one chunk more does not with the most frugal settings
     assert choose(config, longest, machine, BASE, **LORA).fit.fits
     frugal = BASE.replace(chunk_size=1024, kv_grad_dtype=torch.bfloat16, checkpoint_layers=True)
-    assert longest == longest_context(
-        lambda n: _place(_fitting(config, n, 1, frugal, plan(config, n, engine=frugal, **LORA), LORA), frugal,
-                         machine).fits, 1024)
+    assert longest == longest_context(lambda n: judge(config, n, 1, frugal, machine, LORA)[1].fits, 1024)
     assert "(chunk 1024, offload auto" in msg and "bf16 dK/dV, layers recomputed in backward" in msg
     # full-parameter gradients: LoRA is named as what would go further
     with pytest.raises(NothingFits, match=r"LoRA \(--lora-rank 16\)"):

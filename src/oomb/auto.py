@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention.sparse import TopKPages
 from .config import EngineConfig
 from .plan import Fit, MemoryPlan, gpu_margin, human_bytes, longest_context, place, plan
 
@@ -107,14 +108,13 @@ class Choice:
     def summary(self) -> str:
         """One line: what was chosen and why."""
         how = "chosen" if self.chosen else "given"
-        room = (f"GPU {human_bytes(self.fit.gpu - gpu_margin(self.fit.gpu_capacity))} of "
-                f"{human_bytes(self.fit.gpu_capacity)}" if self.machine.cuda else
-                f"{human_bytes(self.fit.gpu - gpu_margin(self.fit.gpu_capacity))} of "
-                f"{human_bytes(self.fit.gpu_capacity)} memory")
+        planned, capacity = self.fit.gpu - gpu_margin(self.fit.gpu_capacity), self.fit.gpu_capacity
+        room = (f"GPU {human_bytes(planned)} of {human_bytes(capacity)}" if self.machine.cuda
+                else f"{human_bytes(planned)} of {human_bytes(capacity)} memory")
         if self.fit.host:
             room += f", host {human_bytes(self.fit.host)} of {human_bytes(self.fit.host_capacity)}"
-        return f"auto configuration: {self.settings()} ({how}: {room} planned" + (
-            f"; the fastest of the {self.fitting} settings that fit, by oomb.auto's cost model)" if self.chosen else ")")
+        why = f"; the fastest of the {self.fitting} settings that fit, by oomb.auto's cost model" if self.chosen else ""
+        return f"auto configuration: {self.settings()} ({how}: {room} planned{why})"
 
 
 class NothingFits(ValueError):
@@ -163,7 +163,8 @@ def candidates(base: EngineConfig, free: tuple[str, ...], seq_len: int) -> list[
 def choose(model_config, seq_len: int, machine: Machine, base: EngineConfig, free: tuple[str, ...] = AUTO_FIELDS,
            batch: int = 1, below: Choice | None = None, **plan_args) -> Choice:
     """The fastest setting of the `free` fields that fits `machine` (module docstring); with
-    `below`, the fastest that plans less GPU memory than `below` (a retry after it ran out).
+    `below`, the fastest whose chunk needs less working memory than `below`'s (a retry after it
+    ran out).
     plan_args go to plan.plan(): trainable_params, optimizer_bytes_per_param, n_params,
     optimizer_shards, tp, dtype."""
     unknown = set(free) - set(AUTO_FIELDS)
@@ -171,8 +172,7 @@ def choose(model_config, seq_len: int, machine: Machine, base: EngineConfig, fre
         raise ValueError(f"cannot choose {sorted(unknown)} automatically; the automatic fields are {AUTO_FIELDS}")
     best, fitting = None, 0
     for engine in candidates(base, free, seq_len):
-        p = plan(model_config, seq_len, batch=batch, engine=engine, **plan_args)
-        fit = _place(_fitting(model_config, seq_len, batch, engine, p, plan_args), engine, machine)
+        p, fit = judge(model_config, seq_len, batch, engine, machine, plan_args)
         if not fit.fits or (below is not None and p.working_set >= below.plan.working_set):
             continue
         fitting += 1
@@ -194,8 +194,7 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
                              if k in free})
 
     def fit(engine, n):
-        p = plan(model_config, n, batch=batch, engine=engine, **plan_args)
-        return _place(_fitting(model_config, n, batch, engine, p, plan_args), engine, machine)
+        return judge(model_config, n, batch, engine, machine, plan_args)[1]
 
     need = fit(frugal, seq_len)
     longest = longest_context(lambda n: fit(frugal, n).fits, frugal.chunk_size)
@@ -208,7 +207,7 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
     msg = (f"{head}. The most frugal settings ({settings}) plan GPU {human_bytes(need.gpu)} (5 % of it left free) "
            f"and host {human_bytes(need.host)}; the longest context they fit is {longest:,} tokens.")
     if base.sparse is None:
-        sparse = frugal.replace(sparse=_topk())
+        sparse = frugal.replace(sparse=TopKPages(budget=64))
         reach = longest_context(lambda n: fit(sparse, n).fits, frugal.chunk_size)
         if reach > longest:
             msg += f" With top-k sparse attention (--sparse-budget 64) {reach:,} tokens would fit."
@@ -217,23 +216,15 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
     return msg + " More host memory holds more pages (offload 'auto' puts what the GPU cannot hold there)."
 
 
-def _fitting(model_config, seq_len, batch, engine: EngineConfig, p: MemoryPlan, plan_args) -> MemoryPlan:
-    """The plan a fit is judged on: without kept attention outputs when they are kept only as far
-    as they fit (keep_attention None: the engine keeps them in the room the pages leave), so they
-    never make a setting fail."""
+def judge(model_config, seq_len: int, batch: int, engine: EngineConfig, machine: Machine,
+          plan_args: dict) -> tuple[MemoryPlan, Fit]:
+    """A setting's plan, and where its bytes go on `machine`. Kept attention outputs kept only as
+    far as they fit (keep_attention None: the engine keeps them in the room the pages leave) are
+    left out of the fit, so they never make a setting fail; a CPU run's pages are all in its one
+    memory."""
+    p = plan(model_config, seq_len, batch=batch, engine=engine, **plan_args)
+    fitted = p
     if engine.keep_attention is None and p.kept_attention:
-        return plan(model_config, seq_len, batch=batch, engine=engine.replace(keep_attention=False), **plan_args)
-    return p
-
-
-def _place(p: MemoryPlan, engine: EngineConfig, machine: Machine) -> Fit:
-    """Where the step's bytes go on `machine` (a CPU run's pages are all in its one memory)."""
-    if not machine.cuda:
-        return place(p, "none", machine.gpu_bytes, machine.host_bytes)
-    return place(p, engine.offload, machine.gpu_bytes, machine.host_bytes)
-
-
-def _topk():
-    from .attention.sparse import TopKPages
-
-    return TopKPages(budget=64)
+        fitted = plan(model_config, seq_len, batch=batch, engine=engine.replace(keep_attention=False), **plan_args)
+    offload = engine.offload if machine.cuda else "none"
+    return p, place(fitted, offload, machine.gpu_bytes, machine.host_bytes)
