@@ -10,6 +10,7 @@ import oomb
 from oomb.cli import main
 from oomb.eval import plots, tasks
 from oomb.train.data import windows
+from oomb.train.documents import write_documents
 from oomb.train.needles import ByteCodec, check_template, hits, make_needle, with_needles
 from tiny_models import VOCAB, make_model
 
@@ -51,6 +52,43 @@ def test_position_loss_equals_transformers_bucketed(tmp_path, capsys):
         assert b["tokens"] == ref.numel()
         assert abs(b["loss"] - ref.mean().item()) <= 1e-4, b
     assert abs(result["loss"] - ce.mean().item()) <= 1e-4 and result["tokens"] == 2 * (seq_len - 1)
+
+
+@pytest.mark.filterwarnings("ignore:.*documents have no trained token")  # the 1-token document
+def test_eval_of_a_document_file_scores_each_document_alone(tmp_path, capsys):
+    """`oomb eval` on a chat document file (ids, starts, mask): the loss is transformers' cross
+    entropy of each document run alone, over its masked-in targets only; position-loss buckets
+    each target by its position in its own document (fp32, <= 1e-4)."""
+    model, path = save_checkpoint(tmp_path)
+    rng = np.random.default_rng(3)
+    lengths = [1, 5, 40, 130, 17, 90, 200, 61]  # packed into sequences of 256, off the page and chunk grid
+    ids = rng.integers(0, VOCAB, sum(lengths)).astype(np.uint16)
+    starts = np.cumsum([0] + lengths[:-1])
+    mask = rng.random(len(ids)) < 0.6
+    data = str(tmp_path / "chat.npy")
+    write_documents(data, ids, starts, mask)
+    ce, at = [], []  # every scored target's cross entropy and its position in its document
+    for s, n in zip(starts, lengths):
+        doc = torch.from_numpy(ids[s : s + n].astype(np.int64))[None]
+        with torch.no_grad():
+            logits = model(input_ids=doc).logits.float()[0, :-1]
+        keep = torch.from_numpy(mask[s + 1 : s + n])
+        ce.append(F.cross_entropy(logits, doc[0, 1:], reduction="none")[keep])
+        at.append(torch.arange(1, n)[keep])
+    ce, at = torch.cat(ce), torch.cat(at)
+    common = ["--model", path, "--data", data, "--seq-len", "256", "--batches", "9", "--chunk-size", "64",
+              "--page-size", "16", "--device", "cpu", "--json"]
+    main(["eval", "--task", "loss", *common])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["tokens"] == len(ce) and abs(result["loss"] - ce.mean().item()) <= 1e-4
+    main(["eval", "--task", "position-loss", "--buckets", "0,8,64", *common])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    for b, (lo, hi) in zip(result["buckets"], [(0, 8), (8, 64), (64, 256)]):
+        ref = ce[(at >= lo) & (at < hi)]
+        assert (b["start"], b["end"], b["tokens"]) == (lo, hi, len(ref))
+        assert abs(b["loss"] - ref.mean().item()) <= 1e-4, b
+    with pytest.raises(SystemExit, match="selection-recall measures attention over whole sequences"):
+        main(["eval", "--task", "selection-recall", "--sparse-budget", "2", *common])
 
 
 def test_eval_windows_are_deterministic_and_non_overlapping():

@@ -145,13 +145,19 @@ EVAL_TASKS = ("loss", "position-loss", "retrieval", "selection-recall")
 
 def eval_batches(args, vocab: int):
     """The evaluated sequences: a token file's first windows of seq_len (non-overlapping, the same
-    every run), or `args.batches` generated batches of the copy task."""
+    every run), a document file's first packed sequences (each document attending to itself,
+    position_ids restarting at its start; chat files score the assistant's tokens only), or
+    `args.batches` generated batches of the copy task."""
     from itertools import islice
 
     from .train.data import copy_task, load_tokens, windows
+    from .train.documents import evaluation_batches, has_documents, open_documents
 
     if args.data == "copy":
         return list(islice(copy_task(vocab, args.seq_len, args.batch, seed=args.seed), args.batches))
+    if has_documents(args.data):
+        return list(evaluation_batches(open_documents(args.data, vocab), args.seq_len, args.batch,
+                                       args.batches * args.batch))
     data = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
     return list(windows(data, args.seq_len, args.batch, args.batches * args.batch))
 

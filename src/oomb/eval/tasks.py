@@ -23,13 +23,13 @@ from ..engine import ChunkRecurrentEngine
 from ..loss import IGNORE_INDEX
 from ..train.needles import DEFAULT_TEMPLATE, hits, make_needle, with_needles
 
-Batches = Iterable[tuple[torch.Tensor, torch.Tensor]]
+Batches = Iterable[tuple[torch.Tensor, ...]]  # (input_ids, labels) or packed (input_ids, labels, position_ids)
 
 
 def mean_loss(engine: ChunkRecurrentEngine, batches: Batches, progress=None) -> dict:
     total, tokens = 0.0, 0
-    for ids, labels in batches:
-        r = engine.evaluate(ids, labels, progress=progress)
+    for ids, labels, *positions in batches:
+        r = engine.evaluate(ids, labels, progress=progress, position_ids=positions[0] if positions else None)
         total += float(r.loss) * r.num_tokens
         tokens += r.num_tokens
     if not tokens:
@@ -52,19 +52,22 @@ def check_buckets(starts: list[int], seq_len: int) -> list[int]:
 def position_loss(engine: ChunkRecurrentEngine, batches: Batches, seq_len: int, starts: list[int] | None = None,
                   progress=None) -> dict:
     """Mean cross entropy of the targets at positions [start, end) of each bucket (position p: the
-    token at p predicted from tokens < p; p = 0 is never a target); empty buckets are left out."""
+    token at p predicted from tokens < p; p = 0 is never a target); empty buckets are left out.
+    Packed batches bucket each target by its position in its own document."""
     starts = check_buckets(starts if starts is not None else default_buckets(seq_len), seq_len)
     edges = starts + [seq_len]
     sums = np.zeros(len(starts), dtype=np.float64)
     counts = np.zeros(len(starts), dtype=np.int64)
-    for ids, labels in batches:
+    for ids, labels, *positions in batches:
         if ids.shape[1] != seq_len:
             raise ValueError(f"a batch of {ids.shape[1]} tokens; position-loss compares sequences of seq_len={seq_len}")
-        ce = engine.evaluate(ids, labels, progress=progress, per_token=True).token_losses
+        pos = positions[0] if positions else None
+        ce = engine.evaluate(ids, labels, progress=progress, per_token=True, position_ids=pos).token_losses.cpu()
         valid = ~torch.isnan(ce)
+        at = torch.arange(seq_len).expand_as(ce) if pos is None else pos.cpu()
         for j in range(len(starts)):
-            part, ok = ce[:, edges[j] : edges[j + 1]], valid[:, edges[j] : edges[j + 1]]
-            sums[j] += float(part[ok].double().sum())
+            ok = valid & (at >= edges[j]) & (at < edges[j + 1])
+            sums[j] += float(ce[ok].double().sum())
             counts[j] += int(ok.sum())
     if not counts.sum():
         raise ValueError("no tokens to evaluate")
@@ -207,7 +210,10 @@ def selection_recall(engine: ChunkRecurrentEngine, batches: Batches, seq_len: in
         raise ValueError("selection-recall measures top-k sparse attention: pass --sparse-budget N")
     probe = RecallProbe(recall_chunks(seq_len, engine.chunk_size, engine.page_size, sparse.budget, chunks),
                         blocks, sparse.block_queries, engine.page_size, engine.adapter.scale, seed)
-    for ids, labels in batches:
+    for ids, labels, *positions in batches:
+        if positions:  # the probe's exact attention spans the whole sequence, not each document
+            raise ValueError("selection-recall measures attention over whole sequences; packed documents have "
+                             "none: evaluate it on a token stream (a .npy/.bin file without a .docs.npy beside it)")
         engine.evaluate(ids, labels, progress=progress, probe=probe)
     layers = []
     for i in sorted({r["layer"] for r in probe.rows}):

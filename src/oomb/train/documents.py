@@ -221,6 +221,16 @@ def document_batches(docs: Documents, seq_len: int, batch: int, seed: int, pack:
     return _batches(docs, plan_sequences(docs, seq_len, pack, drop_long), seq_len, batch, seed, pack)
 
 
+def evaluation_batches(docs: Documents, seq_len: int, batch: int, limit: int) -> Iterator[tuple[torch.Tensor, ...]]:
+    """The first `limit` packed sequences in plan order (the same every run: evaluation), `batch`
+    at a time: (input_ids, labels, position_ids), each document attending to itself only and
+    its targets masked as in training; the last batch may be smaller."""
+    plan = plan_sequences(docs, seq_len, pack=True)[:limit]
+    for first in range(0, len(plan), batch):
+        rows = [sequence(docs, members, seq_len) for members in plan[first : first + batch]]
+        yield tuple(torch.from_numpy(np.stack(x)) for x in zip(*rows))
+
+
 def _batches(docs: Documents, plan: list[list[int]], seq_len: int, batch: int, seed: int, pack: bool):
     rng = np.random.default_rng(seed)
     rows = []
