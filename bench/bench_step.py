@@ -71,12 +71,13 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 DEFAULT_IMPLS = ("oomb-default", "oomb-sparse-default")  # what oomb train chooses (dense, --sparse-budget 64)
 
 
-def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int = 0):
+def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int = 0, packed_docs: int = 0):
     """(step, reserve) of `oomb-default`: for each length, the engine `oomb train` builds with no
     tuning flags (trainer.run_engine_config: oomb.auto's choice on this machine's memory, with
     room for AdamW's state; offload 'auto', kept attention as far as it fits, compile 'auto').
     reserve(tokens) builds it for that length (pages and pinned memory allocated, its kernels
-    and compiled layers warmed up on a few chunks), so the timed step is a training run's second."""
+    and compiled layers warmed up on a few chunks, packed into documents as the timed step is when
+    packed_docs), so the timed step is a training run's second."""
     import gc
 
     import oomb
@@ -100,7 +101,11 @@ def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int =
         engine = oomb.ChunkRecurrentEngine(model, settings)
         engine.reserve(1, tokens)
         warm = min(tokens, 3 * settings.chunk_size)
-        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, warm), device=model.device))
+        positions = None  # packed documents take kernel variants of their own
+        if packed_docs:
+            positions = (torch.arange(warm, device=model.device) % max(1, min(packed_docs, warm // 2)))[None]
+        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, warm), device=model.device),
+                                position_ids=positions)
         for p in model.parameters():
             p.grad = None
         state.update(tokens=tokens, engine=engine, choice=choice)
@@ -186,7 +191,8 @@ def worker(args) -> None:
     weights_gib = torch.cuda.memory_allocated() / 2**30 if cuda else None
     compile_layers = args.oomb_compile and args.impl in OOMB_OFFLOAD
     if args.impl in DEFAULT_IMPLS:
-        step, reserve = default_step_fn(model, args.model, args.lora_rank, 64 if "sparse" in args.impl else 0)
+        step, reserve = default_step_fn(model, args.model, args.lora_rank, 64 if "sparse" in args.impl else 0,
+                                        args.packed_docs)
     else:
         step, reserve = step_fn(args.impl, model, args.chunk_size, args.kv_grad_dtype, args.checkpoint_layers,
                                 compile_layers, args.param_grad_dtype, args.keep_attention, args.page_budget_gib,
