@@ -33,7 +33,7 @@ PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pin
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "Smaller GPUs", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
+            "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
             "How to reproduce"]
 
 
@@ -655,6 +655,50 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
         "row there (each run stops an implementation at its first length that does not fit).")
 
 
+def select_packed(rows: list[dict]) -> list[tuple[dict, dict | None, dict | None]]:
+    """For each (context, document length) an oomb step of packed documents measured at (whole
+    GPU): the newest oomb row, the transformers + Liger row of its run there (the same documents
+    as a batch of separate sequences), and the newest dense oomb row of the same implementation
+    at that context (one document the length of the sequence), or None."""
+    rows = [r for r in own_peaks(rows) if shipped(r, STEP_IMPLS.__contains__) and r.get("ok")
+            and not r.get("gpu_cap_gib") and not r.get("lora_rank")]
+    packed = [r for r in rows if r.get("packed_docs")]
+    picked = []
+    for key in sorted({(r["seq_len"], r["packed_docs"]) for r in packed if r["impl"] in OFFLOAD}):
+        mine = newest([r for r in packed if (r["seq_len"], r["packed_docs"]) == key and r["impl"] in OFFLOAD])
+        liger = [r for r in packed if (r["seq_len"], r["packed_docs"]) == key and r["impl"] == "liger"
+                 and (commit(r), day(r)) == (commit(mine), day(mine))]
+        dense = [r for r in step_rows(rows) if r["impl"] == mine["impl"] and r["seq_len"] == key[0]]
+        picked.append((mine, newest(liger) if liger else None, newest(dense) if dense else None))
+    return picked
+
+
+def packed_section(rows: list[dict]) -> str:
+    cmds, out = Commands(), []
+    for r, liger, dense in select_packed(rows):
+        out.append([tokens(r["seq_len"]), tokens(r["packed_docs"]), r["seq_len"] // r["packed_docs"],
+                    step_settings(r), f"{r['step_s']:.2f}", num(r["tok_s"]), peak(r),
+                    "—" if liger is None else f"{liger['step_s']:.2f}", "—" if liger is None else peak(liger),
+                    "—" if liger is None else f"{liger['step_s'] / r['step_s']:.2f}",
+                    "—" if dense is None else f"{dense['step_s']:.2f}",
+                    "—" if dense is None else f"{dense['step_s'] / r['step_s']:.2f}", commit(r), day(r),
+                    ", ".join(cmds.ref(step_command(x)) for x in (r, liger, dense) if x is not None)])
+    if not out:
+        return ("_No rows yet: `python bench/bench_step.py --impls oomb-default,liger --lengths 128K --packed-docs 8K` "
+                "and `python bench/bench_step.py --impls oomb-default,liger --lengths 128K` measure them._")
+    return section("packed step", out, cmds,
+        "One training step over sequences packed from documents of equal length (Qwen2.5-7B shape, full-parameter "
+        "gradients): oomb takes the packed sequence with `position_ids` restarting at each document, so each "
+        "document attends to itself only and the kernels skip the pages and key tiles of earlier documents; "
+        "transformers + Liger takes the same documents as a batch of separate sequences; the dense oomb step "
+        "is one document as long as the sequence (causal attention over all of it).",
+        table(["context", "document", "documents", "oomb settings", "oomb s", "oomb tok/s", "oomb peak GiB",
+               "Liger s (batch)", "Liger peak GiB", "oomb speed ÷ Liger", "oomb dense s", "dense ÷ packed",
+               "commit", "date", "commands"], out),
+        "Rows: for each context and document length, the newest packed oomb step, its run's Liger step, and the "
+        "newest dense step of the same oomb implementation at that context.")
+
+
 def plot_gpu_sizes(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
@@ -969,11 +1013,13 @@ def build(results: str, out_dir: str) -> str:
     plot_1m_breakdown(select_topk(steps), os.path.join(out_dir, "step_1m_breakdown.png"))
     used = ([r for e in select_kernels(attention) for k, r in e.items() if isinstance(r, dict)]
             + [r for pair in select_dense_steps(steps) for r in pair if r] + [r for _, m in modes for r in m]
-            + select_topk(steps) + select_longest(steps) + select_gpu_sizes(steps) + select_gpt_oss(steps)
+            + select_topk(steps) + select_longest(steps) + select_gpu_sizes(steps)
+            + [r for trio in select_packed(steps) for r in trio if r] + select_gpt_oss(steps)
             + select_parallel(parallel)
             + select_soak(soak) + select_sanitize(sanitize))
     bodies = [kernels_section(attention), dense_step_section(steps), memory_section(steps), topk_section(steps),
-              offload_section(steps), longest_section(steps), gpu_sizes_section(steps, out_dir), gpt_oss_section(steps),
+              offload_section(steps), longest_section(steps), gpu_sizes_section(steps, out_dir), packed_section(steps),
+              gpt_oss_section(steps),
               parallel_section(parallel),
               reliability_section(soak, sanitize), REPRODUCE]
     page = intro(used) + "\n\n" + "\n\n".join(f"## {title}\n\n{body}" for title, body in zip(SECTIONS, bodies)) + "\n"

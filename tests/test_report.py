@@ -11,8 +11,8 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
 
 HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "Smaller GPUs", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
-            "How to reproduce"]
+            "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
+            "Long runs and sanitizers", "How to reproduce"]
 PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png", "longest_context_vs_gpu.png"]
 MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
 K, M = 1024, 2**20
@@ -59,6 +59,13 @@ def sample_steps():
         step("oomb-default", 128 * K, 25.0, 20.9, lora_rank=16, gpu_cap_gib=24, checkpoint_layers=True,
              date="2026-12-01T01:59:00+00:00"),
         step("liger", 64 * K, 14.0, 21.0, lora_rank=16, gpu_cap_gib=24, date="2026-12-01T02:01:00+00:00"),
+        # 128K packed from 8K documents: oomb masked to each document, Liger a batch of 16 sequences;
+        # the dense oomb-default step beside them, and an older packed row that is not picked
+        step("oomb-default", 128 * K, 9.0, 100.0, packed_docs=8 * K, date="2026-12-01T03:00:00+00:00"),
+        step("liger", 128 * K, 12.0, 60.0, packed_docs=8 * K, date="2026-12-01T03:01:00+00:00"),
+        step("oomb-default", 128 * K, 36.0, 120.0, date="2026-12-01T03:02:00+00:00"),
+        step("liger", 128 * K, 39.0, 80.0, date="2026-12-01T03:03:00+00:00"),
+        step("oomb-default", 128 * K, 99.0, 100.0, packed_docs=8 * K, date="2026-11-30T03:00:00+00:00"),
         # newer, and none of them measured the code as shipped: never picked
         step("oomb two-state-fwd(reverted)", 64 * K, 1.0, 1.0, date="2026-12-02T00:00:00+00:00"),
         step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, merged=False, date="2026-12-02T00:01:00+00:00", **KEPT),
@@ -155,7 +162,7 @@ def test_rows_of_unshipped_code_are_left_out():
     picked += [r for _, rows in report.select_memory(steps) for r in rows]
     assert picked and all(r["step_s"] != 1.0 for r in picked)
     assert {(r["seq_len"], r["step_s"]) for r, _ in report.select_dense_steps(steps)} == {
-        (32 * K, 4.26), (64 * K, 11.97), (64 * K, 12.76)}
+        (32 * K, 4.26), (64 * K, 11.97), (64 * K, 12.76), (128 * K, 36.0)}
 
 
 def test_dense_steps_pair_with_the_liger_step_of_their_run():
@@ -217,3 +224,17 @@ def test_capped_steps_give_the_longest_context_per_gpu_size(tmp_path):
     assert all(not r.get("gpu_cap_gib") for r in report.step_rows(rows))
     assert report.step_command(picked[1]) == ("python bench/bench_step.py --impls oomb-default --lengths 256K "
                                              "--lora-rank 16 --gpu-cap-gib 24")
+
+
+def test_packed_steps_pair_with_liger_batches_and_the_dense_step():
+    """A packed oomb step sits beside its run's Liger step over the same documents as a batch and
+    the newest dense step of the same implementation at that context; packed rows stay out of
+    the whole-GPU tables."""
+    rows = sample_steps()
+    [(mine, liger, dense)] = report.select_packed(rows)
+    assert (mine["step_s"], liger["step_s"], dense["step_s"]) == (9.0, 12.0, 36.0)
+    assert all(not r.get("packed_docs") for r in report.step_rows(rows))
+    body = report.packed_section(rows)
+    [line] = table_rows(body)
+    assert "| 128K | 8K | 16 |" in line and "| 1.33 |" in line and "| 4.00 |" in line
+    assert "--packed-docs 8K" in body
