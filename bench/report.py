@@ -79,9 +79,11 @@ def own_peaks(rows: list[dict]) -> list[dict]:
 
 
 def base_options(r: dict, model: str = "qwen2.5-7b") -> bool:
-    """The preset model whole, bf16 weights, the bench scripts' default precision and page budget."""
+    """The preset model whole, bf16 weights, the bench scripts' default precision (or oomb train's,
+    for what it chooses) and page budget."""
     return (r.get("model", "qwen2.5-7b") == model and r.get("layers") == PRESET_LAYERS[model]
-            and r.get("float8", "none") == "none" and r.get("param_grad_dtype") != "fp32"
+            and r.get("float8", "none") == "none"
+            and (r.get("param_grad_dtype") != "fp32" or r["impl"] in DEFAULT_IMPLS)  # fp32 sums: oomb train's
             and r.get("page_budget_gib") is None and not (r["impl"] in OFFLOAD and r.get("liger")))
 
 
@@ -170,6 +172,8 @@ def section(what: str, out: list, cmds: "Commands", *paragraphs: str) -> str:
 def step_settings(r: dict) -> str:
     """The settings that set a step's time and memory, in words."""
     s = []
+    if r["impl"] in DEFAULT_IMPLS:
+        s.append("oomb train's choice (memory for AdamW's state kept free)")
     if r["impl"] in OFFLOAD:
         s.append(f"chunk {r['chunk_size']}")
         s += [words for _, _, words, _ in switches_on(r)]
@@ -177,6 +181,8 @@ def step_settings(r: dict) -> str:
             s.append(kept_text(r))
         if r.get("host_layers") and OFFLOAD[r["impl"]] == "auto":
             s.append(f"{r['host_layers']} layers' pages on the host")
+        if r.get("param_grad_dtype") == "fp32":
+            s.append("fp32 gradient sums")
     if r.get("float8", "none") != "none":
         s.append(f"float8 {r['float8']}")
     if r.get("lora_rank"):
@@ -336,20 +342,22 @@ def kernels_section(rows: list[dict]) -> str:
 # --- dense step -------------------------------------------------------------------------------
 
 def select_dense_steps(rows: list[dict]) -> list[tuple[dict, dict]]:
-    """For each context: the newest run (commit and day) with a dense oomb step there (offload
-    'none', or what oomb train chooses: oomb-default; the whole preset, full-parameter gradients);
-    each oomb row of that run at that context, with the run's transformers + Liger row there
-    nearest in time (or None)."""
+    """For each context and each of tuned (offload 'none' with flags) and default (what oomb
+    train chooses: oomb-default) dense oomb steps (the whole preset, full-parameter gradients):
+    the newest run (commit and day) with such a step there; each such row of that run, with the
+    run's transformers + Liger row there nearest in time (or None)."""
     rows = [r for r in step_rows(rows) if base_options(r) and not r.get("lora_rank")]
-    oomb = [r for r in rows if r["impl"] in ("oomb", "oomb-default")]
     pairs = []
-    for n in sorted({r["seq_len"] for r in oomb}):
-        at_n = [r for r in oomb if r["seq_len"] == n]
-        run = (commit(newest(at_n)), day(newest(at_n)))
-        liger = [r for r in rows if r["impl"] == "liger" and r["seq_len"] == n and (commit(r), day(r)) == run]
-        for r in sorted((r for r in at_n if (commit(r), day(r)) == run), key=lambda r: r["date"]):
-            near = min(liger, key=lambda b: abs(minutes(b) - minutes(r)), default=None)
-            pairs.append((r, near))
+    for n in sorted({r["seq_len"] for r in rows if r["impl"] in ("oomb", "oomb-default")}):
+        for impl in ("oomb", "oomb-default"):
+            at_n = [r for r in rows if r["impl"] == impl and r["seq_len"] == n]
+            if not at_n:
+                continue
+            run = (commit(newest(at_n)), day(newest(at_n)))
+            liger = [r for r in rows if r["impl"] == "liger" and r["seq_len"] == n and (commit(r), day(r)) == run]
+            for r in sorted((r for r in at_n if (commit(r), day(r)) == run), key=lambda r: r["date"]):
+                near = min(liger, key=lambda b: abs(minutes(b) - minutes(r)), default=None)
+                pairs.append((r, near))
     return pairs
 
 
@@ -375,9 +383,11 @@ def dense_step_section(rows: list[dict]) -> str:
         "the same run." + hf,
         table(["context", "oomb settings", "oomb s", "oomb tok/s", "oomb peak GiB", "Liger s", "Liger tok/s",
                "Liger peak GiB", "oomb speed ÷ Liger", "commit", "date", "commands"], out),
-        "Rows: for each context, the newest run (commit and day) that timed a dense oomb step there: each oomb "
-        "configuration it timed, beside that run's Liger step nearest in time. A peak shown as — was not the "
-        "step's own (the process had reserved pages for a longer context).")
+        "Rows: for each context, the newest run (commit and day) that timed a tuned dense oomb step there (flags "
+        "set by hand) and the newest that timed oomb train's own choice (oomb-default, no flags): each such oomb "
+        "step, beside its run's Liger step nearest in time. oomb-default plans room for AdamW's state (bf16 "
+        "moments: 28.4 GiB for the 7B), which neither the tuned steps nor Liger's hold. A peak shown as — was not "
+        "the step's own (the process had reserved pages for a longer context).")
 
 
 # --- memory and tokens/s against the context --------------------------------------------------

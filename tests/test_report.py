@@ -175,7 +175,9 @@ def test_dense_steps_pair_with_the_liger_step_of_their_run():
                    date="2026-12-03T01:00:00+00:00")
     liger = step("liger", 64 * K, 12.3, 52.9, commit="9a8b7c6", date="2026-12-03T01:02:00+00:00")
     pairs = report.select_dense_steps(sample_steps() + [default, liger])
-    assert [(r["impl"], b["step_s"]) for r, b in pairs if r["seq_len"] == 64 * K] == [("oomb-default", 12.3)]
+    # each kind's newest run: the tuned steps of one run, oomb train's choice of another
+    assert [(r["impl"], r["commit"], b["step_s"]) for r, b in pairs if r["seq_len"] == 64 * K] == [
+        ("oomb", "a1b2c3d", 12.41), ("oomb", "a1b2c3d", 12.41), ("oomb-default", "9a8b7c6", 12.3)]
 
 
 def test_a_peak_counts_only_at_the_longest_length_of_its_process():
