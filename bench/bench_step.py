@@ -17,6 +17,7 @@ memory, and the oomb memory plan for comparison.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import resource
@@ -349,7 +350,11 @@ def main() -> None:
         sys.exit("bench_step.py needs a CUDA GPU (or --device cpu for a smoke run of a small preset)")
     if args.impl:
         return worker(args)
-    for impl in args.impls.split(","):
+    impls = args.impls.split(",")
+    if ("liger" in impls or args.oomb_liger) and importlib.util.find_spec("liger_kernel") is None:
+        sys.exit("--impls liger and --oomb-liger need Liger's kernels: pip install liger-kernel (offline: "
+                 "pip install --no-deps a liger_kernel wheel; they need only torch and triton)")
+    for impl in impls:
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
