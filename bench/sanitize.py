@@ -17,8 +17,10 @@ at --jobs 8.
 Kernels (a child builds small inputs, launches once, checks the results are finite): forward,
 backward (Triton's dK/dV and dQ kernels, at a chunk Hopper's fused kernel does not take),
 hopper-backward (that Gluon kernel, sm_90), sparse (top-k), window-sinks (GPT-OSS, head_dim 64),
-gather (the zero-copy row kernel, pinned host <-> GPU) and dma (the same rows by the copy
-engines, memory/dma.py).
+gather (the zero-copy row kernel, pinned host <-> GPU), dma (the same rows by the copy
+engines, memory/dma.py) and ws-control (Gluon's warp specialisation alone, three partitions
+writing their own memory: racecheck's reports on it are Triton's hand-off to the worker warps,
+the control for hopper-backward's).
 """
 from __future__ import annotations
 
@@ -134,10 +136,47 @@ def dma(dev):
                                                                    stream.cuda_stream))
 
 
+# A control for racecheck's reports on the Gluon kernel: Gluon's warp specialisation and nothing
+# else of oomb's (no shared memory of its own, no TMA, no mbarrier). Triton's lowering hands the
+# worker warps their start state through a word of shared memory and named barriers; what racecheck
+# reports here is about that hand-off, not about a kernel's pipeline.
+if paged_hopper.AVAILABLE:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+
+    @gluon.jit
+    def _ws_default(out, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+        offs = gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        gl.store(out + offs, offs.to(gl.float32))
+
+    @gluon.jit
+    def _ws_worker(out, which: gl.constexpr, BLOCK: gl.constexpr):
+        offs = gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        gl.store(out + which * BLOCK + offs, offs.to(gl.float32) + which)
+
+    @gluon.jit
+    def _ws_control(out, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+        # as paged_hopper._fused_bwd: a default partition and two one-warp workers at 40 registers
+        gl.warp_specialize([(_ws_default, (out, BLOCK, WARPS)), (_ws_worker, (out, 1, BLOCK)),
+                            (_ws_worker, (out, 2, BLOCK))], [1, 1], [40, 40])
+
+
+def ws_control(dev):
+    """Three partitions each write their own 256 floats: i + p for partition p."""
+    if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 or not paged_hopper.AVAILABLE:
+        raise Skip("Gluon's warp specialisation as the Hopper kernel uses it needs a sm_90 GPU and its Triton features")
+    out = torch.full((3 * 256,), -1.0, device=dev)
+    _ws_control[(1,)](out, BLOCK=256, WARPS=8, num_warps=8)
+    torch.cuda.synchronize()
+    want = torch.arange(256, device=dev, dtype=torch.float32).repeat(3) + torch.arange(3, device=dev).repeat_interleave(256)
+    assert torch.equal(out, want), "a partition's stores are missing"
+    return [out]
+
+
 KERNELS = {"forward": lambda dev: attention(dev, grad=False), "backward": lambda dev: backward(dev, hopper=False),
            "hopper-backward": lambda dev: backward(dev, hopper=True), "sparse": lambda dev: attention(dev, sparse=True),
            "window-sinks": lambda dev: attention(dev, window=True, sinks=True, d=64),  # GPT-OSS's sliding layers
-           "gather": gather, "dma": dma}
+           "gather": gather, "dma": dma, "ws-control": ws_control}
 
 
 def child(names: list[str]) -> int:

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "bench", "sanitize.py")
 ENV = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "TRITON_INTERPRET": "1"}
@@ -61,13 +63,43 @@ def test_summary_parser():
 
 def test_children_under_the_interpreter():
     """The Triton kernels' children run interpreted on the CPU; the CUDA-only ones say why they skip."""
-    out = subprocess.run([sys.executable, SCRIPT, "--kernel", "forward,sparse,hopper-backward,gather"], env=ENV,
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, SCRIPT, "--kernel", "forward,sparse,hopper-backward,gather,ws-control"],
+                         env=ENV, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("sanitize: ")]
     assert [line.split()[1:3] for line in lines] == [["forward", "ok"], ["sparse", "ok"],
-                                                      ["hopper-backward", "skipped:"], ["gather", "skipped:"]]
-    assert "sm_90" in lines[2] and "pinned host memory" in lines[3]
+                                                      ["hopper-backward", "skipped:"], ["gather", "skipped:"],
+                                                      ["ws-control", "skipped:"]]
+    assert "sm_90" in lines[2] and "pinned host memory" in lines[3] and "sm_90" in lines[4]
+
+
+@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice of a coming default
+def test_ws_control_compiles_for_sm90_as_the_hopper_kernel_specialises():
+    """The racecheck control is warp-specialised as paged_hopper._fused_bwd is (a default partition
+    and two one-warp workers), and its workers get their start state as the Hopper kernel's do:
+    through shared memory the default partition writes, behind a named barrier. Compiled offline
+    with the installed Triton, for sm_90."""
+    import importlib.util
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    from oomb.attention import paged_hopper
+
+    if not paged_hopper.AVAILABLE:
+        pytest.skip(f"Triton {triton.__version__} lacks the Gluon features paged_hopper uses")
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    spec = importlib.util.spec_from_file_location("sanitize", SCRIPT)
+    sanitize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sanitize)
+    fn = sanitize._ws_control
+    src = GluonASTSource(fn, {"out": "*fp32", "BLOCK": "constexpr", "WARPS": "constexpr"},
+                         constexprs={(1,): 256, (2,): 8})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    assert "ttg.warp_specialize" in ttgir and "partition1" in ttgir and "partition2" not in ttgir
+    assert "st.shared" in ptx and "barrier.sync" in ptx and "ld.shared" in ptx
 
 
 def test_parent_refuses_clearly_without_a_gpu(tmp_path):
