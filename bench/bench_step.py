@@ -72,6 +72,28 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 DEFAULT_IMPLS = ("oomb-default", "oomb-sparse-default")  # what oomb train chooses (dense, --sparse-budget 64)
 
 
+def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
+    """One step of `tokens` random tokens with as many layers' pages on the host as the length the
+    engine was reserved for puts there (a fixed page budget places them), so that the kernels and
+    compiled layers the timed step runs are compiled before it; packed into documents of at most
+    packed_docs tokens when given (their kernels are variants of their own)."""
+    model, config = engine.model, engine.config
+    n_host = len(engine.store.host_layers)
+    if n_host:
+        stored = (-(-tokens // config.chunk_size) - 1) * (config.chunk_size // config.page_size)
+        n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
+        engine.config = config.replace(gpu_page_budget_bytes=n_device * stored * engine.store.layer_page_bytes)
+    positions = None
+    if packed_docs:
+        positions = (torch.arange(tokens, device=model.device) % max(1, min(packed_docs, tokens // 2)))[None]
+    try:
+        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, tokens), device=model.device),
+                                position_ids=positions)
+        assert len(engine.store.host_layers) == n_host, "the warm-up placed other layers on the host"
+    finally:
+        engine.config = config
+
+
 def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int = 0, packed_docs: int = 0):
     """(step, reserve) of `oomb-default`: for each length, the engine `oomb train` builds with no
     tuning flags (trainer.run_engine_config: oomb.auto's choice on this machine's memory, with
@@ -101,12 +123,11 @@ def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int =
         print(f"[default {tokens:,}] {choice.summary()}", file=sys.stderr, flush=True)
         engine = oomb.ChunkRecurrentEngine(model, settings)
         engine.reserve(1, tokens)
-        warm = min(tokens, 3 * settings.chunk_size)
-        positions = None  # packed documents take kernel variants of their own
-        if packed_docs:
-            positions = (torch.arange(warm, device=model.device) % max(1, min(packed_docs, warm // 2)))[None]
-        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, warm), device=model.device),
-                                position_ids=positions)
+        # past one group of pages (the kernels' later groups run without the chunk's own keys, a
+        # variant of their own), with the timed length's layers on the host (the host path's kernels)
+        warm = min(tokens, max(3 * settings.chunk_size,
+                               (settings.group_pages + 1) * settings.page_size + settings.chunk_size))
+        warm_up(engine, warm, packed_docs)
         for p in model.parameters():
             p.grad = None
         state.update(tokens=tokens, engine=engine, choice=choice)
@@ -150,15 +171,8 @@ def step_fn(impl: str, model, chunk_size: int, kv_grad_dtype: str = "fp32", chec
 
         def reserve(tokens: int) -> None:
             engine.reserve(1, tokens)
-            n_host = len(engine.store.host_layers)
-            if n_host:  # the host path's kernels compile at their first use: warm them up with the
-                # same layers on the host, at two chunks (a fixed page budget places them)
-                config, pages = engine.config, chunk_size // 128
-                n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
-                engine.config = config.replace(gpu_page_budget_bytes=n_device * pages * engine.store.layer_page_bytes)
-                step(torch.randint(0, model.config.vocab_size, (1, 2 * chunk_size), device=model.device))
-                assert len(engine.store.host_layers) == n_host
-                engine.config = config
+            if engine.store.host_layers:  # the host path's kernels compile at their first use
+                warm_up(engine, 2 * chunk_size)
         return step, reserve
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
