@@ -33,8 +33,8 @@ PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pin
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
-            "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs", "Long runs and sanitizers",
-            "How to reproduce"]
+            "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
+            "Long runs and sanitizers", "How to reproduce"]
 
 
 # --- rows -------------------------------------------------------------------------------------
