@@ -72,6 +72,14 @@ OOMB_OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto", "oomb-sp
 DEFAULT_IMPLS = ("oomb-default", "oomb-sparse-default")  # what oomb train chooses (dense, --sparse-budget 64)
 
 
+def packed_positions(tokens: int, packed_docs: int, device) -> torch.Tensor | None:
+    """position_ids (1, tokens) of documents of packed_docs tokens (at most half the sequence, so
+    that a short warm-up still crosses a document boundary), or None when not packed."""
+    if not packed_docs:
+        return None
+    return (torch.arange(tokens, device=device) % max(1, min(packed_docs, tokens // 2)))[None]
+
+
 def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
     """One step of `tokens` random tokens with as many layers' pages on the host as the length the
     engine was reserved for puts there (a fixed page budget places them), so that the kernels and
@@ -83,12 +91,9 @@ def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
         stored = (-(-tokens // config.chunk_size) - 1) * (config.chunk_size // config.page_size)
         n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
         engine.config = config.replace(gpu_page_budget_bytes=n_device * stored * engine.store.layer_page_bytes)
-    positions = None
-    if packed_docs:
-        positions = (torch.arange(tokens, device=model.device) % max(1, min(packed_docs, tokens // 2)))[None]
     try:
         engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, tokens), device=model.device),
-                                position_ids=positions)
+                                position_ids=packed_positions(tokens, packed_docs, model.device))
         assert len(engine.store.host_layers) == n_host, "the warm-up placed other layers on the host"
     finally:
         engine.config = config
@@ -222,10 +227,10 @@ def worker(args) -> None:
     default = args.impl in DEFAULT_IMPLS  # builds (and warms up) its engine per length in reserve()
     if not default:
         t0 = time.perf_counter()
-        warm_positions = None  # packed documents take kernel variants of their own: compiled here too
-        if args.packed_docs and args.impl in OOMB_OFFLOAD:
-            warm_positions = (torch.arange(warm, device=args.device) % max(1, min(args.packed_docs, warm // 2)))[None]
-        step(torch.randint(0, vocab, (1, warm), device=args.device), position_ids=warm_positions)
+        # packed documents take kernel variants of their own: compiled here too
+        packed = args.packed_docs if args.impl in OOMB_OFFLOAD else 0
+        step(torch.randint(0, vocab, (1, warm), device=args.device),
+             position_ids=packed_positions(warm, packed, args.device))
         print(f"[{args.impl}] warm-up step ({warm:,} tokens) {time.perf_counter() - t0:.1f} s", file=sys.stderr,
               flush=True)
         t0 = time.perf_counter()

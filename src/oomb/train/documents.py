@@ -227,8 +227,12 @@ def evaluation_batches(docs: Documents, seq_len: int, batch: int, limit: int) ->
     its targets masked as in training; the last batch may be smaller."""
     plan = plan_sequences(docs, seq_len, pack=True)[:limit]
     for first in range(0, len(plan), batch):
-        rows = [sequence(docs, members, seq_len) for members in plan[first : first + batch]]
-        yield tuple(torch.from_numpy(np.stack(x)) for x in zip(*rows))
+        yield _stack([sequence(docs, members, seq_len) for members in plan[first : first + batch]])
+
+
+def _stack(rows: list[tuple[np.ndarray, ...]]) -> tuple[torch.Tensor, ...]:
+    """Rows of (input_ids, labels, position_ids) as (batch, seq_len) tensors of each."""
+    return tuple(torch.from_numpy(np.stack(x)) for x in zip(*rows))
 
 
 def _batches(docs: Documents, plan: list[list[int]], seq_len: int, batch: int, seed: int, pack: bool):
@@ -238,6 +242,6 @@ def _batches(docs: Documents, plan: list[list[int]], seq_len: int, batch: int, s
         for i in rng.permutation(len(plan)).tolist():
             rows.append(sequence(docs, plan[i], seq_len))
             if len(rows) == batch:
-                ids, labels, positions = (torch.from_numpy(np.stack(x)) for x in zip(*rows))
+                ids, labels, positions = _stack(rows)
                 rows = []
                 yield (ids, labels, positions) if pack else (ids, labels)
