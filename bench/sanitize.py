@@ -18,9 +18,9 @@ Kernels (a child builds small inputs, launches once, checks the results are fini
 backward (Triton's dK/dV and dQ kernels, at a chunk Hopper's fused kernel does not take),
 hopper-backward (that Gluon kernel, sm_90), sparse (top-k), window-sinks (GPT-OSS, head_dim 64),
 gather (the zero-copy row kernel, pinned host <-> GPU), dma (the same rows by the copy
-engines, memory/dma.py) and ws-control (Gluon's warp specialisation alone, three partitions
-writing their own memory: racecheck's reports on it are Triton's hand-off to the worker warps,
-the control for hopper-backward's).
+engines, memory/dma.py), and the controls for hopper-backward's racecheck reports: ws-control
+(Gluon's warp specialisation alone, three partitions writing their own memory) and its variants
+-bar, -mbarrier, -capture and -all, each adding what the Hopper kernel adds around it (WS_VARIANTS).
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ import sys
 import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -136,37 +137,67 @@ def dma(dev):
                                                                    stream.cuda_stream))
 
 
-# A control for racecheck's reports on the Gluon kernel: Gluon's warp specialisation and nothing
-# else of oomb's (no shared memory of its own, no TMA, no mbarrier). Triton's lowering hands the
-# worker warps their start state through a word of shared memory and named barriers; what racecheck
-# reports here is about that hand-off, not about a kernel's pipeline.
+# Controls for racecheck's reports on the Gluon kernel: Gluon's warp specialisation and, one at a
+# time, the three things paged_hopper._fused_bwd adds around it that the bare control lacks. Triton's
+# lowering hands the worker warps their start state through a word of shared memory behind a named
+# barrier (barrier 1, all warps); the Hopper kernel also (a) syncs its default partition's own warps
+# (barrier 0 with a thread count), (b) initialises mbarriers before the partitions start, and (c)
+# hands a value computed in the kernel to a worker (a capture slot in shared memory). The bare
+# control is clean under racecheck (8161183, H200); whichever variant is not names what the tool
+# reacts to in the Hopper kernel, whose flagged pairs are all separated by barrier 1.
+WS_VARIANTS = {"ws-control": (False, False, False), "ws-control-bar": (True, False, False),
+               "ws-control-mbarrier": (False, True, False), "ws-control-capture": (False, False, True),
+               "ws-control-all": (True, True, True)}  # (BAR, MBAR, CAPTURE)
+
 if paged_hopper.AVAILABLE:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     @gluon.jit
-    def _ws_default(out, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+    def _ws_default(out, bar, BLOCK: gl.constexpr, WARPS: gl.constexpr, BAR: gl.constexpr, MBAR: gl.constexpr):
         offs = gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+        if BAR:  # a first value, then a barrier of this partition's warps only, then the final one
+            gl.store(out + offs, -1.0 - offs.to(gl.float32))
+            paged_hopper._thread_barrier()
         gl.store(out + offs, offs.to(gl.float32))
+        if MBAR:
+            mbarrier.wait(bar, 0)  # worker 1's arrival
 
     @gluon.jit
-    def _ws_worker(out, which: gl.constexpr, BLOCK: gl.constexpr):
+    def _ws_worker(out, base, bar, which: gl.constexpr, BLOCK: gl.constexpr, MBAR: gl.constexpr):
         offs = gl.arange(0, BLOCK, layout=gl.BlockedLayout([1], [32], [1], [0]))
-        gl.store(out + which * BLOCK + offs, offs.to(gl.float32) + which)
+        gl.store(out + base + which * BLOCK + offs, offs.to(gl.float32) + which)
+        if MBAR:
+            if which == 1:
+                mbarrier.arrive(bar, count=1)
 
     @gluon.jit
-    def _ws_control(out, BLOCK: gl.constexpr, WARPS: gl.constexpr):
+    def _ws_control(out, Base, BLOCK: gl.constexpr, WARPS: gl.constexpr, BAR: gl.constexpr, MBAR: gl.constexpr,
+                    CAPTURE: gl.constexpr):
         # as paged_hopper._fused_bwd: a default partition and two one-warp workers at 40 registers
-        gl.warp_specialize([(_ws_default, (out, BLOCK, WARPS)), (_ws_worker, (out, 1, BLOCK)),
-                            (_ws_worker, (out, 2, BLOCK))], [1, 1], [40, 40])
+        if MBAR:
+            bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+            mbarrier.init(bar, count=1)
+        else:
+            bar = out  # unused
+        if CAPTURE:
+            base = gl.load(Base)  # computed in the kernel (0): reaches the workers through shared memory
+        else:
+            base = 0
+        gl.warp_specialize([(_ws_default, (out, bar, BLOCK, WARPS, BAR, MBAR)),
+                            (_ws_worker, (out, base, bar, 1, BLOCK, MBAR)),
+                            (_ws_worker, (out, base, bar, 2, BLOCK, MBAR))], [1, 1], [40, 40])
 
 
-def ws_control(dev):
-    """Three partitions each write their own 256 floats: i + p for partition p."""
+def ws_control(dev, variant: str = "ws-control"):
+    """Three partitions each write their own 256 floats: i + p for partition p (WS_VARIANTS)."""
     if dev.type != "cuda" or torch.cuda.get_device_capability(dev)[0] != 9 or not paged_hopper.AVAILABLE:
         raise Skip("Gluon's warp specialisation as the Hopper kernel uses it needs a sm_90 GPU and its Triton features")
+    bar, mbar, capture = WS_VARIANTS[variant]
     out = torch.full((3 * 256,), -1.0, device=dev)
-    _ws_control[(1,)](out, BLOCK=256, WARPS=8, num_warps=8)
+    base = torch.zeros(1, dtype=torch.int32, device=dev)
+    _ws_control[(1,)](out, base, BLOCK=256, WARPS=8, BAR=bar, MBAR=mbar, CAPTURE=capture, num_warps=8)
     torch.cuda.synchronize()
     want = torch.arange(256, device=dev, dtype=torch.float32).repeat(3) + torch.arange(3, device=dev).repeat_interleave(256)
     assert torch.equal(out, want), "a partition's stores are missing"
@@ -176,7 +207,8 @@ def ws_control(dev):
 KERNELS = {"forward": lambda dev: attention(dev, grad=False), "backward": lambda dev: backward(dev, hopper=False),
            "hopper-backward": lambda dev: backward(dev, hopper=True), "sparse": lambda dev: attention(dev, sparse=True),
            "window-sinks": lambda dev: attention(dev, window=True, sinks=True, d=64),  # GPT-OSS's sliding layers
-           "gather": gather, "dma": dma, "ws-control": ws_control}
+           "gather": gather, "dma": dma,
+           **{name: partial(ws_control, variant=name) for name in WS_VARIANTS}}
 
 
 def child(names: list[str]) -> int:

@@ -74,12 +74,17 @@ def test_children_under_the_interpreter():
 
 
 @pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice of a coming default
-def test_ws_control_compiles_for_sm90_as_the_hopper_kernel_specialises():
-    """The racecheck control is warp-specialised as paged_hopper._fused_bwd is (a default partition
-    and two one-warp workers), and its workers get their start state as the Hopper kernel's do:
-    through shared memory the default partition writes, behind a named barrier. Compiled offline
-    with the installed Triton, for sm_90."""
+@pytest.mark.parametrize("variant", ["ws-control", "ws-control-bar", "ws-control-mbarrier", "ws-control-capture",
+                                     "ws-control-all"])
+def test_ws_controls_compile_for_sm90_as_the_hopper_kernel_specialises(variant):
+    """The racecheck controls are warp-specialised as paged_hopper._fused_bwd is (a default partition
+    and two one-warp workers), and their workers get their start state as the Hopper kernel's do:
+    through shared memory the default partition writes, behind a named barrier; each variant adds
+    what it names: a barrier of the default partition's warps only (bar.sync 0 with a count), an
+    mbarrier, a value handed to a worker through shared memory. Compiled offline with the installed
+    Triton, for sm_90."""
     import importlib.util
+    import re
 
     import triton
     from triton.backends.compiler import GPUTarget
@@ -93,13 +98,21 @@ def test_ws_control_compiles_for_sm90_as_the_hopper_kernel_specialises():
     spec = importlib.util.spec_from_file_location("sanitize", SCRIPT)
     sanitize = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sanitize)
-    fn = sanitize._ws_control
-    src = GluonASTSource(fn, {"out": "*fp32", "BLOCK": "constexpr", "WARPS": "constexpr"},
-                         constexprs={(1,): 256, (2,): 8})
+    bar, mbar, capture = sanitize.WS_VARIANTS[variant]
+    signature = {"out": "*fp32", "Base": "*i32", "BLOCK": "constexpr", "WARPS": "constexpr", "BAR": "constexpr",
+                 "MBAR": "constexpr", "CAPTURE": "constexpr"}
+    src = GluonASTSource(sanitize._ws_control, signature,
+                         constexprs={(2,): 256, (3,): 8, (4,): bar, (5,): mbar, (6,): capture})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
     ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
     assert "ttg.warp_specialize" in ttgir and "partition1" in ttgir and "partition2" not in ttgir
-    assert "st.shared" in ptx and "barrier.sync" in ptx and "ld.shared" in ptx
+    assert "st.shared" in ptx and re.search(r"barrier\.sync\s+1;", ptx) and "ld.shared" in ptx
+    if bar:
+        assert re.search(r"bar(rier)?\.sync(\.aligned)?\s+0,\s*256;", ptx), "no barrier of the default partition's warps"
+    elif not mbar:  # (an mbarrier's init may bring one of its own)
+        assert not re.search(r"bar(rier)?\.sync(\.aligned)?\s+0,", ptx)
+    assert ("mbarrier.init" in ptx) == mbar
+    assert (len(re.findall(r"ld\.shared", ptx)) > 1) == capture, "a captured value is read from shared memory"
 
 
 def test_parent_refuses_clearly_without_a_gpu(tmp_path):
