@@ -28,7 +28,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import GpuMeter, PassClock, profiled, record, run_info  # noqa: E402
+from common import GpuMeter, PassClock, memory_traced, profiled, record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
 
@@ -238,87 +238,98 @@ def worker(args) -> None:
         reserve_s = round(time.perf_counter() - t0, 1)
         print(f"[{args.impl}] reserve ({max(args.lengths):,} tokens) {reserve_s} s", file=sys.stderr, flush=True)
     for length in args.lengths:
-        if default:
-            t0 = time.perf_counter()
-            reserve(length)
-            reserve_s = round(time.perf_counter() - t0, 1)
-        # the same tokens for every implementation, whatever its warm-up drew
-        ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
-        positions = None
-        if args.packed_docs:  # documents of packed_docs tokens: oomb masks each to itself, transformers
-            # takes them as a batch of that many separate sequences
-            if length % args.packed_docs:
-                sys.exit(f"--packed-docs {args.packed_docs} does not divide the length {length}")
-            positions = (torch.arange(length, device=args.device) % args.packed_docs)[None]
+        # the last length's reserve (a default impl's warm-up) and step, when asked: where the peak goes
+        with memory_traced(cuda and bool(args.memory_trace) and length == args.lengths[-1], out=args.memory_trace):
+            ok = measure(args, length, step, reserve, reserve_s if not default else None, model, info,
+                         weights_gib, compile_layers, oomb_liger)
+        if not ok:
+            break
+
+
+def measure(args, length, step, reserve, reserve_s, model, info, weights_gib, compile_layers, oomb_liger) -> bool:
+    """One timed step of `length` tokens (reserved first for a default impl), its row recorded;
+    False when it ran out of memory."""
+    cuda, default, vocab = args.device == "cuda", args.impl in DEFAULT_IMPLS, model.config.vocab_size
+    if default:
+        t0 = time.perf_counter()
+        reserve(length)
+        reserve_s = round(time.perf_counter() - t0, 1)
+    # the same tokens for every implementation, whatever its warm-up drew
+    ids = torch.randint(0, vocab, (1, length), generator=torch.Generator().manual_seed(length)).to(args.device)
+    positions = None
+    if args.packed_docs:  # documents of packed_docs tokens: oomb masks each to itself, transformers
+        # takes them as a batch of that many separate sequences
+        if length % args.packed_docs:
+            sys.exit(f"--packed-docs {args.packed_docs} does not divide the length {length}")
+        positions = (torch.arange(length, device=args.device) % args.packed_docs)[None]
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.reset_accumulated_memory_stats()  # alloc_retries of this step only
+    t0 = time.perf_counter()
+    row = {"bench": "step", "impl": args.impl, "model": args.model, "lora_rank": args.lora_rank,
+           "seq_len": length, "layers": model.config.num_hidden_layers,
+           "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
+           "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
+           "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
+           "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": args.float8,
+           "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
+           "keep_attention": args.keep_attention if args.impl in OOMB_OFFLOAD else None,
+           "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
+           "group_pages": args.group_pages if args.impl in OOMB_OFFLOAD else None,
+           "gpu_cap_gib": args.gpu_cap_gib, "packed_docs": args.packed_docs,
+           "weights_gib": weights_gib and round(weights_gib, 2),
+           "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
+    profile = args.profile and length == args.lengths[-1]
+    meter = GpuMeter(cuda)
+    try:
+        window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
+        with profiled(profile, args.profile, args.impl, window or None) as prof:
+            clock = PassClock(cuda)
+
+            def progress(done: int, total: int) -> None:
+                clock(done, total)
+                if done == total or done % max(1, total // 20) == 0:  # a long step shows it is moving
+                    print(f"[{args.impl} {length:,}] pass {done}/{total}, {time.perf_counter() - t0:.0f} s",
+                          file=sys.stderr, flush=True)
+                if window:
+                    prof.step()
+            loss = float(step(ids, progress=progress, position_ids=positions))
         if cuda:
             torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            torch.cuda.reset_accumulated_memory_stats()  # alloc_retries of this step only
-        t0 = time.perf_counter()
-        row = {"bench": "step", "impl": args.impl, "model": args.model, "lora_rank": args.lora_rank,
-               "seq_len": length, "layers": model.config.num_hidden_layers,
-               "chunk_size": args.chunk_size if args.impl in OOMB_OFFLOAD else None,
-               "kv_grad_dtype": args.kv_grad_dtype if args.impl in OOMB_OFFLOAD else None,
-               "checkpoint_layers": args.checkpoint_layers if args.impl in OOMB_OFFLOAD else None,
-               "liger": oomb_liger or args.impl == "liger", "compile": compile_layers, "float8": args.float8,
-               "param_grad_dtype": args.param_grad_dtype if args.impl in OOMB_OFFLOAD else None,
-               "keep_attention": args.keep_attention if args.impl in OOMB_OFFLOAD else None,
-               "page_budget_gib": args.page_budget_gib if args.impl in OOMB_OFFLOAD else None,
-               "group_pages": args.group_pages if args.impl in OOMB_OFFLOAD else None,
-               "gpu_cap_gib": args.gpu_cap_gib, "packed_docs": args.packed_docs,
-               "weights_gib": weights_gib and round(weights_gib, 2),
-               "reserve_s": reserve_s if args.impl in OOMB_OFFLOAD else None}
-        profile = args.profile and length == args.lengths[-1]
-        meter = GpuMeter(cuda)
-        try:
-            window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
-            with profiled(profile, args.profile, args.impl, window or None) as prof:
-                clock = PassClock(cuda)
-
-                def progress(done: int, total: int) -> None:
-                    clock(done, total)
-                    if done == total or done % max(1, total // 20) == 0:  # a long step shows it is moving
-                        print(f"[{args.impl} {length:,}] pass {done}/{total}, {time.perf_counter() - t0:.0f} s",
-                              file=sys.stderr, flush=True)
-                    if window:
-                        prof.step()
-                loss = float(step(ids, progress=progress, position_ids=positions))
-            if cuda:
-                torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-            row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
-                       peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
-                       # the caching allocator's cudaMalloc retries (it freed its cache and synchronised):
-                       # a step that runs close to the GPU's capacity pays for each
-                       alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
-                       # cudaMalloc calls during the step (the cache did not have a block): each costs
-                       device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else None,
-                       host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
-                       **meter.summary())
-            if hasattr(step, "engine"):
-                row.update(engine_fields(step.engine()))
-                row.update(clock.summary())
-            if default:  # what oomb.auto chose, in the row's own fields
-                e = step.engine().config
-                row.update(chunk_size=e.chunk_size, kv_grad_dtype="bf16" if e.kv_grad_dtype == torch.bfloat16
-                           else "fp32", checkpoint_layers=e.checkpoint_layers, compile=e.compile_layers,
-                           keep_attention="fit", param_grad_dtype="fp32", auto=step.choice().summary())
-        except torch.OutOfMemoryError as e:
-            row.update(ok=False, error=str(e)[:160])
-        finally:
-            meter.stop()
-        if profile and row["ok"]:
-            row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
-            row["profile_passes"] = args.profile_passes or None
-            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
-        row.update(info)
-        record(args.out, row)
-        for p in model.parameters():
-            p.grad = None
-        if cuda:
-            torch.cuda.empty_cache()
-        if not row["ok"]:
-            break
+        dt = time.perf_counter() - t0
+        row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
+                   peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   # the caching allocator's cudaMalloc retries (it freed its cache and synchronised):
+                   # a step that runs close to the GPU's capacity pays for each
+                   alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
+                   # cudaMalloc calls during the step (the cache did not have a block): each costs
+                   device_allocs=torch.cuda.memory_stats().get("num_device_alloc", 0) if cuda else None,
+                   host_peak_gib=round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 1),
+                   **meter.summary())
+        if hasattr(step, "engine"):
+            row.update(engine_fields(step.engine()))
+            row.update(clock.summary())
+        if default:  # what oomb.auto chose, in the row's own fields
+            e = step.engine().config
+            row.update(chunk_size=e.chunk_size, kv_grad_dtype="bf16" if e.kv_grad_dtype == torch.bfloat16
+                       else "fp32", checkpoint_layers=e.checkpoint_layers, compile=e.compile_layers,
+                       keep_attention="fit", param_grad_dtype="fp32", auto=step.choice().summary())
+    except torch.OutOfMemoryError as e:
+        row.update(ok=False, error=str(e)[:160])
+    finally:
+        meter.stop()
+    if profile and row["ok"]:
+        row["profiled"] = True  # the profiler slows the step: this row's time is not comparable
+        row["profile_passes"] = args.profile_passes or None
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30), flush=True)
+    row.update(info)
+    record(args.out, row)
+    for p in model.parameters():
+        p.grad = None
+    if cuda:
+        torch.cuda.empty_cache()
+    return row["ok"]
 
 
 def main() -> None:
@@ -360,6 +371,9 @@ def main() -> None:
     ap.add_argument("--gpu-cap-gib", type=float, default=None,
                     help="every impl: cap the process's GPU memory (torch.cuda.set_per_process_memory_fraction): "
                          "a smaller GPU's memory, not its speed")
+    ap.add_argument("--memory-trace", default="", metavar="FILE",
+                    help="record the GPU allocations of the last length's reserve and step (torch.cuda.memory "
+                         "history) and print those live at its peak by the lines that made them; JSON into FILE")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
@@ -378,7 +392,8 @@ def main() -> None:
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
                "--param-grad-dtype", args.param_grad_dtype, "--profile-passes", args.profile_passes,
-               "--device", args.device, "--float8", args.float8, "--group-pages", str(args.group_pages)]
+               "--device", args.device, "--float8", args.float8, "--group-pages", str(args.group_pages),
+               "--memory-trace", args.memory_trace]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")
         if args.oomb_liger:

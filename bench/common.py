@@ -153,3 +153,52 @@ def profiled(enabled: bool, out_dir: str, name: str, window: tuple[int, int] | N
     when = None if window is None else schedule(wait=window[0], warmup=1, active=window[1], repeat=1)
     return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=when,
                    on_trace_ready=tensorboard_trace_handler(out_dir, worker_name=name))
+
+
+@contextlib.contextmanager
+def memory_traced(enabled: bool, top: int = 15, out: str = ""):
+    """torch.cuda.memory history around a block; after it, the allocations live at the block's
+    peak grouped by the oomb/transformers lines that made them, printed (and written to `out` as
+    JSON, when given): where a step's peak memory goes."""
+    if not enabled:
+        yield
+        return
+    torch.cuda.memory._record_memory_history(max_entries=2_000_000)
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize()
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        peak, sites = peak_allocations(snapshot)
+        print(f"peak of the traced allocations: {peak / 2**30:.2f} GiB above what was live before; at the peak:",
+              flush=True)
+        for key, (size, count) in sites[:top]:
+            print(f"{size / 2**30:8.3f} GiB {count:6d} x  {key}", flush=True)
+        if out:
+            with open(out, "w") as f:
+                json.dump({"peak_bytes": peak, "sites": [[k, s, c] for k, (s, c) in sites]}, f, indent=1)
+
+
+def peak_allocations(snapshot: dict) -> tuple[int, list]:
+    """(bytes at the peak, [(site, (bytes, count))] largest first) of the allocations a
+    torch.cuda.memory snapshot's trace made and had not freed at its peak; a site is the first
+    three oomb/transformers/peft frames of the allocation's stack."""
+    live, now, best, at_best = {}, 0, 0, {}
+    for trace in snapshot["device_traces"]:
+        for e in trace:
+            if e["action"] == "alloc":
+                live[e["addr"]] = e
+                now += e["size"]
+                if now > best:
+                    best, at_best = now, dict(live)
+            elif e["action"] == "free_completed" and e["addr"] in live:
+                now -= live.pop(e["addr"])["size"]
+    sites = {}
+    for e in at_best.values():
+        frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in e["frames"]
+                  if any(k in f["filename"] for k in ("oomb", "modeling", "peft", "bench"))][:3]
+        key = " <- ".join(frames) or "(no Python frame: autograd engine)"
+        size, count = sites.get(key, (0, 0))
+        sites[key] = (size + e["size"], count + 1)
+    return best, sorted(sites.items(), key=lambda kv: -kv[1][0])

@@ -7,14 +7,17 @@ made them (torch.cuda.memory history). For finding what grows with the context.
 from __future__ import annotations
 
 import argparse
-import collections
 import os
+import sys
 
 import torch
 
 import oomb
 from oomb.cli import parse_tokens
 from oomb.presets import load_model
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import peak_allocations  # noqa: E402
 
 
 def main() -> None:
@@ -45,26 +48,10 @@ def main() -> None:
         print(f"{n:>9,} tokens: peak {(torch.cuda.max_memory_allocated() - base) / 2**30:.2f} GiB above weights+grads")
     snapshot = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
-    live, now, best, at_best = {}, 0, 0, {}
-    for trace in snapshot["device_traces"]:
-        for e in trace:
-            if e["action"] == "alloc":
-                live[e["addr"]] = e
-                now += e["size"]
-                if now > best:
-                    best, at_best = now, dict(live)
-            elif e["action"] == "free_completed" and e["addr"] in live:
-                now -= live.pop(e["addr"])["size"]
-    sizes, counts = collections.Counter(), collections.Counter()
-    for e in at_best.values():
-        frames = [f"{f['filename'].split('/')[-1]}:{f['line']}:{f['name']}" for f in e["frames"]
-                  if "oomb" in f["filename"] or "modeling" in f["filename"]][:3]
-        key = " <- ".join(frames) or "(no Python frame: autograd engine)"
-        sizes[key] += e["size"]
-        counts[key] += 1
-    print(f"peak of the traced allocations: {best / 2**30:.2f} GiB; live at the peak:")
-    for key, size in sizes.most_common(args.top):
-        print(f"{size / 2**30:8.2f} GiB {counts[key]:6d} x  {key}")
+    peak, sites = peak_allocations(snapshot)
+    print(f"peak of the traced allocations: {peak / 2**30:.2f} GiB; live at the peak:")
+    for key, (size, count) in sites[:args.top]:
+        print(f"{size / 2**30:8.2f} GiB {count:6d} x  {key}")
 
 
 if __name__ == "__main__":
