@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import GpuMeter, PassClock, memory_traced, profiled, record, run_info  # noqa: E402
 
 from oomb.cli import parse_tokens  # noqa: E402
+from oomb.memory.device import ALLOCATOR_SETTINGS  # noqa: E402
 
 
 def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda", oomb_liger: bool = False,
@@ -300,6 +301,8 @@ def measure(args, length, step, reserve, reserve_s, model, info, weights_gib, co
         dt = time.perf_counter() - t0
         row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
+                   # what the allocator held at most (the cap of --gpu-cap-gib bounds this)
+                   peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
                    # the caching allocator's cudaMalloc retries (it freed its cache and synchronised):
                    # a step that runs close to the GPU's capacity pays for each
                    alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0) if cuda else None,
@@ -411,8 +414,11 @@ def main() -> None:
             cmd += ["--gpu-cap-gib", str(args.gpu_cap_gib)]
         if args.packed_docs:
             cmd += ["--packed-docs", str(args.packed_docs)]
+        env = dict(os.environ)
+        if impl.startswith("oomb"):  # as `oomb train` runs (oomb.cli.main)
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
         try:
-            subprocess.run(cmd, timeout=args.timeout)  # the worker prints and appends its rows
+            subprocess.run(cmd, timeout=args.timeout, env=env)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:
             print(json.dumps({"bench": "step", "impl": impl, "ok": False, "error": f"timeout {args.timeout}s"}),
                   flush=True)

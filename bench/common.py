@@ -31,6 +31,8 @@ def run_info() -> dict:
     switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OOMB_") and k != "OOMB_COMMIT"}
     if switches:  # the kernels' and engine's environment switches (OOMB_FUSED_DQ=1, OOMB_DMA=0, ...)
         info["switches"] = switches
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
+        info["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]
     return info
 
 

@@ -645,8 +645,10 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
     cmds, out = Commands(), []
     picked = select_gpu_sizes(rows)
     for r in picked:
+        planned = planned_peak(r) / 2**30 if r["impl"] in OFFLOAD else None
         out.append([f"{r['gpu_cap_gib']:g}", r.get("model", "qwen2.5-7b"), gpu_label(r), f"{r['seq_len']:,}",
-                    f"{r['step_s']:.1f}", num(r["tok_s"]), peak(r), num(r.get("host_peak_gib"), ".1f"),
+                    f"{r['step_s']:.1f}", num(r["tok_s"]), peak(r), num(planned, ".2f"),
+                    "—" if planned is None else f"{r['peak_gib'] / planned:.2f}", num(r.get("host_peak_gib"), ".1f"),
                     step_settings(r) if r["impl"] in OFFLOAD else "gradient checkpointing", commit(r), day(r),
                     cmds.ref(step_command(r))])
     if not out:
@@ -660,9 +662,25 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
         "for that memory with no tuning flags; transformers + Liger runs with gradient checkpointing.",
         "![Longest context against GPU memory](longest_context_vs_gpu.png)",
         table(["GPU GiB", "model", "implementation", "longest tokens", "s / step", "tok/s", "peak GPU GiB",
-               "host GiB", "settings", "commit", "date", "command"], out),
+               "plan GiB", "peak ÷ plan", "host GiB", "settings", "commit", "date", "command"], out),
         "Rows: for each cap, implementation and kind of gradients, the longest context that finished; the newest "
-        "row there (each run stops an implementation at its first length that does not fit).")
+        "row there (each run stops an implementation at its first length that does not fit). Plan: what "
+        "`oomb plan` gives that step's GPU memory today, placed as its engine placed it (report.py planned_peak: "
+        "weights, gradients, one chunk's working set, the pages of the layers on the GPU, staging, kept outputs "
+        "on the GPU); a planned step keeps 5 % of the GPU (2 GiB at least) free beside it.",
+        plan_summary(rows))
+
+
+def plan_summary(rows: list[dict]) -> str:
+    """One sentence: how the plan compares with every oomb step that records its placement."""
+    checked = plan_checked(rows)
+    if not checked:
+        return ""
+    ratios = [x for _, x in checked]
+    return (f"Over all {len(checked)} oomb steps that record where their engine put pages and kept outputs "
+            f"(whole and capped GPUs, {min(day(r) for r, _ in checked)} to {max(day(r) for r, _ in checked)}), the "
+            f"measured peak is {min(ratios):.2f}x to {max(ratios):.2f}x of today's plan for it "
+            "(tests/test_report.py holds it within 10 %).")
 
 
 def select_packed(rows: list[dict]) -> list[tuple[dict, dict | None, dict | None]]:
@@ -748,15 +766,13 @@ def select_longest(rows: list[dict]) -> list[dict]:
                                          bool(r.get("lora_rank")), "sparse" in r["impl"]))
 
 
-def planned_longest(r: dict) -> int:
-    """The longest context `oomb plan` says a step of row r's model and settings fits on one H200
-    with PLAN_HOST_GIB of host memory (gradients only, as bench_step.py's step)."""
+def row_engine(r: dict):
+    """(model config, EngineConfig, trainable parameters or None) of an oomb row's step."""
     import torch
 
     from oomb.attention.sparse import TopKPages
     from oomb.cli import lora_params
     from oomb.config import EngineConfig
-    from oomb.plan import longest_context, place, plan
     from oomb.presets import preset_config
 
     config = preset_config(r.get("model", "qwen2.5-7b"))
@@ -764,14 +780,49 @@ def planned_longest(r: dict) -> int:
                           sparse=TopKPages(budget=64) if "sparse" in r["impl"] else None,
                           kv_grad_dtype=torch.bfloat16 if r.get("kv_grad_dtype") == "bf16" else torch.float32,
                           checkpoint_layers=bool(r.get("checkpoint_layers")), compile_layers=bool(r.get("compile")),
-                          keep_attention=False)
-    trainable = lora_params(config, r["lora_rank"]) if r.get("lora_rank") else None
+                          param_grad_dtype=torch.float32 if r.get("param_grad_dtype") == "fp32" else None,
+                          group_pages=r.get("group_pages") or 1024, keep_attention=False)
+    return config, engine, lora_params(config, r["lora_rank"]) if r.get("lora_rank") else None
+
+
+def planned_longest(r: dict) -> int:
+    """The longest context `oomb plan` says a step of row r's model and settings fits on one H200
+    with PLAN_HOST_GIB of host memory (gradients only, as bench_step.py's step)."""
+    from oomb.plan import longest_context, place, plan
+
+    config, engine, trainable = row_engine(r)
 
     def fits(n: int) -> bool:
-        p = plan(config, n, engine=engine, trainable_params=trainable, optimizer_bytes_per_param=0,
-                 param_grad_dtype=torch.float32 if r.get("param_grad_dtype") == "fp32" else None)
+        p = plan(config, n, engine=engine, trainable_params=trainable, optimizer_bytes_per_param=0)
         return place(p, engine.offload, int(H200_GIB * 2**30), PLAN_HOST_GIB * 2**30).fits
     return longest_context(fits, engine.chunk_size)
+
+
+def plan_checked(rows: list[dict]) -> list[tuple[dict, float]]:
+    """(row, measured peak ÷ planned_peak) for every shipped oomb step with its own peak that
+    records where its engine placed the pages and kept outputs (kept_host_layers), at a preset's
+    full depth, one document a sequence."""
+    picked = [r for r in own_peaks(rows) if shipped(r, OFFLOAD.__contains__) and r.get("ok")
+              and r.get("own_peak", True) and r.get("peak_gib") and "kept_host_layers" in r
+              and r.get("layers") == PRESET_LAYERS.get(r.get("model", "qwen2.5-7b")) and not r.get("packed_docs")]
+    return [(r, r["peak_gib"] * 2**30 / planned_peak(r)) for r in picked]
+
+
+def planned_peak(r: dict) -> int:
+    """The GPU bytes `oomb plan` gives the step an oomb row measured, placed as its engine placed it
+    (the row's layers on the host and kept outputs on the GPU): weights, gradients (no optimizer:
+    bench_step.py's step has none), one chunk's working set, sparse selections, the device layers'
+    pages, staging buffers when layers are on the host, and the kept attention outputs on the GPU."""
+    from oomb.plan import plan
+
+    config, engine, trainable = row_engine(r)
+    p = plan(config, r["seq_len"], engine=engine.replace(keep_attention=True), trainable_params=trainable,
+             optimizer_bytes_per_param=0)
+    host = r.get("host_layers") or 0
+    layer = (p.pages + p.representatives - p.window_pages) // max(1, p.full_layers)
+    kept_gpu = (r.get("kept_layers") or 0) - (r.get("kept_host_layers") or 0)
+    return (p.weights + p.grads + p.working_set + p.selections + p.window_pages + (p.full_layers - host) * layer
+            + (p.staging if host else 0) + kept_gpu * (p.kept_attention // max(1, p.kept_layers)))
 
 
 def longest_section(rows: list[dict]) -> str:
@@ -940,7 +991,12 @@ def reliability_section(soak: list[dict], sanitize: list[dict]) -> str:
                *(f"{name} GiB (baseline, growth)" for _, name in SOAK_SERIES), "verdict", "commit", "date",
                "command"], out) if out else "_No soak rows._",
         "Sanitizers (`bench/sanitize.py`): compute-sanitizer's memcheck, racecheck and synccheck on each kernel "
-        "alone, at small shapes.",
+        "alone, at small shapes. The ws-control kernels are controls: Triton's warp specialisation with no data "
+        "of their own (-bar adds the default partition's barrier, -mbarrier mbarriers, -capture a captured "
+        "value, -all the three). racecheck flags hopper-backward on the bytes of Triton's warp-specialisation "
+        "state only, and flags ws-control-bar, which has nothing else, on the same state: the hazards are the "
+        "tool's reading of Triton's hand-off, not of the kernel's buffers ([experiments](experiments.md), "
+        "\"Racecheck on the Gluon backward\").",
         table(["kernel", "tool", "status", "errors / hazards", "summary", "commit", "date", "command"], checks)
         if checks else "_No sanitizer rows._",
         "Rows: the newest soak row of each model, context and mode; the newest sanitizer row of each kernel and "

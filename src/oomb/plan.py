@@ -28,7 +28,8 @@ class MemoryPlan:
     kv_pages: int  # K/V of every stored page (all chunks but the last), all layers
     grad_pages: int  # their dK/dV accumulators
     chunk_activations: int  # estimate: one chunk's recompute under autograd
-    logits_slice: int  # one slice of fp32 logits and its gradient
+    logits_slice: int  # one slice of fp32 logits and what its loss's backward makes of them
+    layer_grads: int = 0  # estimate: the gradients one layer's backward makes for one chunk, beside what it saved
     head_logit_grads: int = 0  # a trainable head: the chunk's logit gradients (weight dtype), for its one GEMM
     embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
     page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
@@ -45,7 +46,8 @@ class MemoryPlan:
     @property
     def working_set(self) -> int:
         """Device bytes one chunk's compute needs beside weights, gradients and pages."""
-        return self.chunk_activations + self.logits_slice + self.head_logit_grads + self.embedding_grad
+        return (self.chunk_activations + self.layer_grads + self.logits_slice + self.head_logit_grads
+                + self.embedding_grad)
 
     @property
     def pages(self) -> int:
@@ -67,6 +69,7 @@ class MemoryPlan:
         rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
                 ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
                 ("one chunk's activations (est.)", self.chunk_activations),
+                ("one layer's backward (est.)", self.layer_grads),
                 ("logits slice + grad", self.logits_slice),
                 ("head's logit gradients", self.head_logit_grads), ("embedding gradient (transient)", self.embedding_grad)]
         if self.representatives or self.selections:
@@ -138,6 +141,15 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         mlp = experts * (7 * inter + hidden)
     else:
         mlp = 4 * inter
+    # A layer's backward holds, beside what its forward saved, the gradients it makes: the MLP's
+    # (its output's input, gate and up: 3 x intermediate a routed copy), q/k/v's and the residual
+    # stream's. Left out, a LoRA step at chunk 8192 with its layers recomputed ran out of a 24 GiB
+    # cap with 2.3 GiB more allocated than planned (H200, 2026-12-03, 553a0ae).
+    layer_grads = item * (3 * inter * max(1, experts) + (heads + 2 * kv_heads) * head_dim + 2 * hidden)
+    # The loss of a slice: with a trainable plain head, the fused ce_and_grad makes the logits'
+    # gradient from the fp32 logits (2 slices, compiled); otherwise autograd through
+    # F.cross_entropy keeps the log-probabilities and makes their gradient and the logits' (4).
+    fused_loss = compiled and trainable_params is None and tp == 1  # the engine fuses it off TP only
     norms = 4 * 2 * hidden  # fp32
     if compiled and not experts:
         # Compiled, the SwiGLU saves its gate and up (its product is recomputed) and the RMSNorms
@@ -156,7 +168,8 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
         chunk_activations=tokens * (per_token_layer + n_layers * hidden * item if checkpoint_layers
                                     else n_layers * per_token_layer),
-        logits_slice=2 * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
+        layer_grads=tokens * layer_grads,
+        logits_slice=(2 if fused_loss else 4) * min(SLICE_LOGIT_BYTES, tokens * vocab * 4),
         head_logit_grads=tokens * vocab * item if trainable_params is None else 0,
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
         page_bytes=spec.page_bytes,

@@ -5,6 +5,14 @@ from __future__ import annotations
 
 import torch
 
+#: PyTorch's CUDA allocator settings `oomb train` (and the benchmarks' oomb runs) use unless
+#: PYTORCH_CUDA_ALLOC_CONF is set. A step's buffers change size from pass to pass (a chunk's
+#: activations, a recomputed layer's gradients, a slice of logits, staged pages), and fixed
+#: segments leave them holes: a LoRA step capped to 24 GiB ran out with 0.81 GiB of the cap held
+#: by the allocator but unused (H200, 2026-12-03, 553a0ae). Expandable segments map pages into one
+#: growing range instead.
+ALLOCATOR_SETTINGS = "expandable_segments:True"
+
 
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, capacity) bytes of `device` for this process: what it may still allocate, and what
