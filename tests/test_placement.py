@@ -51,6 +51,19 @@ def test_kept_outputs_fill_the_room_then_the_host_budget():
         place(dataclasses.replace(x, keep_all=True))
 
 
+def test_pages_held_from_a_longer_step_leave_less_room_for_kept_outputs():
+    """The engine's page pool only grows: a step shorter than an earlier one (a warm-up after
+    reserving for the real length) still holds the longer step's pages, so kept outputs get only
+    the room beside those (on the H200 capped to 24 GiB, a 135K-token warm-up after reserving
+    1M tokens filled the pool's difference with kept outputs and ran out)."""
+    x = PlacementInput("auto", full_layers=2, layer_bytes=2 * MiB, gpu_room=27 * MiB, kept_layers=9,
+                       kept_gpu_bytes=3 * MiB)
+    assert (place(x).device_layers, place(x).kept_gpu) == (2, 7)  # 23 MiB beside 4 MiB of pages
+    held = place(dataclasses.replace(x, held_bytes=20 * MiB))  # a longer step's 2 x 10 MiB
+    assert (held.device_layers, held.kept_gpu, held.gpu_bytes) == (2, 2, 20 * MiB + 6 * MiB)
+    assert place(dataclasses.replace(x, held_bytes=MiB)).kept_gpu == 7  # less than the step's own pages
+
+
 def test_unknown_offload_mode():
     with pytest.raises(ValueError, match=r"offload='some' is not one of \('none', 'all', 'auto'\)"):
         PlacementInput("some", full_layers=1, layer_bytes=1)

@@ -546,3 +546,18 @@ def test_loss_last_needles_rope_and_heldout_windows(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="holds 9 windows of seq_len=512; 10 are needed"):
         train(TrainConfig(**{**SMALL, "seq_len": 512}, eval_data=str(tmp_path / "t.npy"), eval_every=1,
                           eval_batches=10))
+
+
+def test_a_cuda_device_gets_its_index(monkeypatch):
+    """--device auto or cuda name the current CUDA device with its index: torch's per-process
+    memory fraction, which the plan reads, refuses a device without one."""
+    from oomb.train.trainer import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert resolve_device("auto") == resolve_device("cuda") == torch.device("cuda", 3)
+    assert resolve_device("cuda:1") == torch.device("cuda", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="CUDA is not available here; use --device cpu"):
+        resolve_device("cuda")

@@ -443,7 +443,8 @@ class ChunkRecurrentEngine:
             window_bytes=batch * n_chunks * windows * self.spec.page_bytes,
             staging_bytes=staging_bytes(store.staged_pages, max_pages, batch, self.spec.page_bytes,
                                         store.host.rep_bytes),
-            gpu_room=self._gpu_room if cuda else None, page_budget=cfg.gpu_page_budget_bytes)
+            gpu_room=self._gpu_room if cuda else None, page_budget=cfg.gpu_page_budget_bytes,
+            held_bytes=store.pool.n_slots * self.spec.page_bytes if cuda else 0)
         if not kept:
             return pages
         budget = cfg.kept_host_bytes if cfg.kept_host_bytes is not None else self._kept_host_budget

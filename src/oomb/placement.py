@@ -30,6 +30,8 @@ class PlacementInput:
     window_bytes: int = 0  # the sliding-window layers' pages (always on the GPU)
     staging_bytes: int = 0  # device buffers a step with host layers stages their pages in
     gpu_room: int | None = None  # device bytes free for all of the above and kept outputs (None: no limit)
+    held_bytes: int = 0  # device page bytes already allocated, counted in gpu_room (the engine's pool only
+    # grows: a step shorter than an earlier one still holds the longer one's pages)
     page_budget: int | None = None  # 'auto': device bytes the full layers' pages may take, as given
     kept_layers: int = 0  # layers whose attention outputs the step would keep, in order of preference
     kept_gpu_bytes: int = 0  # one such layer's outputs on the GPU
@@ -78,7 +80,7 @@ def place(x: PlacementInput) -> Placement:
         on_gpu = min(n, max(0, budget) // x.layer_bytes)
     on_host = n - on_gpu
     staging = x.staging_bytes if on_host else 0
-    gpu = x.window_bytes + on_gpu * x.layer_bytes + staging
+    gpu = max(x.window_bytes + on_gpu * x.layer_bytes, x.held_bytes) + staging
     host = on_host * x.layer_bytes
 
     kept_gpu = kept_host = 0

@@ -17,6 +17,8 @@ ALLOCATOR_SETTINGS = "expandable_segments:True"
 def device_memory(device: torch.device) -> tuple[int, int]:
     """(free, capacity) bytes of `device` for this process: what it may still allocate, and what
     it may hold in all (the device's memory times its memory fraction)."""
+    if device.index is None:  # 'cuda': the current device (memory fractions are set per index)
+        device = torch.device("cuda", torch.cuda.current_device())
     free, total = torch.cuda.mem_get_info(device)
     reserved, allocated = torch.cuda.memory_reserved(device), torch.cuda.memory_allocated(device)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
