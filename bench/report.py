@@ -949,9 +949,10 @@ def on_gpu(rows: list[dict]) -> list[dict]:
 
 
 def select_soak(rows: list[dict]) -> list[dict]:
-    """soak.py rows on GPUs: the newest of each model, context and mode."""
+    """soak.py rows on GPUs with a verdict (a run stopped after its baseline step has none): the
+    newest of each model, context and mode."""
     key = lambda r: (r["model"], r["seq_len"], r["mode"])  # noqa: E731
-    return sorted(newest_each(on_gpu(rows), key), key=key)
+    return sorted(newest_each([r for r in on_gpu(rows) if r.get("flat") is not None], key), key=key)
 
 
 def select_sanitize(rows: list[dict]) -> list[dict]:

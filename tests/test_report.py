@@ -255,3 +255,13 @@ def test_the_plan_is_within_ten_percent_of_every_measured_step():
                    checkpoint_layers=True, compile=False, param_grad_dtype="fp32", host_layers=27, kept_layers=27,
                    kept_host_layers=27)
     assert 23.35 * 2**30 / report.planned_peak(ran_out) <= 1.1
+
+
+def test_soak_rows_without_a_verdict_are_left_out():
+    """A resumed soak run stopped after its baseline step has no verdict: the table keeps the
+    newest run of that model, context and mode that has one."""
+    base = dict(bench="soak", model="byte-lm-30m", seq_len=M, mode="top-k 64, offload auto", gpu="NVIDIA H200")
+    judged = dict(base, date="2026-12-03T07:10:59+00:00", flat=True, steps=7)
+    resumed = dict(base, date="2026-12-03T07:13:00+00:00", flat=None, steps=1, growth={})
+    assert report.select_soak([judged, resumed]) == [judged]
+    assert report.select_soak([resumed]) == []
