@@ -204,3 +204,32 @@ def peak_allocations(snapshot: dict) -> tuple[int, list]:
         size, count = sites.get(key, (0, 0))
         sites[key] = (size + e["size"], count + 1)
     return best, sorted(sites.items(), key=lambda kv: -kv[1][0])
+
+
+# --- oomb steps ------------------------------------------------------------------------------
+
+def packed_positions(tokens: int, packed_docs: int, device) -> torch.Tensor | None:
+    """position_ids (1, tokens) of documents of packed_docs tokens (at most half the sequence, so
+    that a short warm-up still crosses a document boundary), or None when not packed."""
+    if not packed_docs:
+        return None
+    return (torch.arange(tokens, device=device) % max(1, min(packed_docs, tokens // 2)))[None]
+
+
+def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
+    """One step of `tokens` random tokens with as many layers' pages on the host as the length the
+    engine was reserved for puts there (a fixed page budget places them), so that the kernels and
+    compiled layers the timed step runs are compiled before it; packed into documents of at most
+    packed_docs tokens when given (their kernels are variants of their own)."""
+    model, config = engine.model, engine.config
+    n_host = len(engine.store.host_layers)
+    if n_host:
+        stored = (-(-tokens // config.chunk_size) - 1) * (config.chunk_size // config.page_size)
+        n_device = engine.adapter.n_layers - len(engine.store.tail_pages) - n_host
+        engine.config = config.replace(gpu_page_budget_bytes=n_device * stored * engine.store.layer_page_bytes)
+    try:
+        engine.forward_backward(torch.randint(0, model.config.vocab_size, (1, tokens), device=model.device),
+                                position_ids=packed_positions(tokens, packed_docs, model.device))
+        assert len(engine.store.host_layers) == n_host, "the warm-up placed other layers on the host"
+    finally:
+        engine.config = config

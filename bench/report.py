@@ -34,7 +34,7 @@ BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
 SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
             "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
-            "Long runs and sanitizers", "How to reproduce"]
+            "Long runs and sanitizers", "Before and after a change", "How to reproduce"]
 
 
 # --- rows -------------------------------------------------------------------------------------
@@ -1004,6 +1004,56 @@ def reliability_section(soak: list[dict], sanitize: list[dict]) -> str:
         "tool.")
 
 
+# --- before and after a change ----------------------------------------------------------------
+
+def select_before_after(rows: list[dict]) -> list[tuple[dict, dict]]:
+    """(before, after) row pairs of bench/before_after.py runs on GPUs that measured both trees:
+    the newest pair of each before commit, context and settings."""
+    rows = [r for r in on_gpu(rows) if r.get("ok")]
+    pairs = {}
+    for after in (r for r in rows if r["tree"] == "after"):
+        before = [r for r in rows if r["tree"] == "before" and r["seq_len"] == after["seq_len"]
+                  and r["date"] <= after["date"] and settings_of(r) == settings_of(after)]
+        if before:
+            b = newest(before)
+            pairs[(b["commit"], after["seq_len"], json.dumps(settings_of(after), sort_keys=True))] = (b, after)
+    return sorted(pairs.values(), key=lambda p: (p[1]["seq_len"], p[1]["date"]))
+
+
+def settings_of(r: dict) -> dict:
+    keys = ("model", "lora_rank", "chunk_size", "page_size", "backend", "offload", "sparse_budget", "kv_grad_dtype",
+            "checkpoint_layers", "compile", "keep_attention", "param_grad_dtype", "repeats")
+    return {k: r.get(k) for k in keys}
+
+
+def before_after_command(r: dict) -> str:
+    flags = [f"--lengths {tokens(r['seq_len'])}", f"--chunk-size {r['chunk_size']}"]
+    flags += [f"--{k.replace('_', '-')} {r[k]}" for k, default in (
+        ("model", "qwen2.5-7b"), ("lora_rank", 0), ("offload", "none"), ("sparse_budget", 0),
+        ("kv_grad_dtype", "fp32"), ("param_grad_dtype", "param"), ("repeats", 1)) if r.get(k, default) != default]
+    flags += [f"--{k.replace('_', '-')}" for k in ("checkpoint_layers", "compile", "keep_attention") if r.get(k)]
+    return f"python bench/before_after.py --before DIR --before-commit {commit(r)} " + " ".join(flags)
+
+
+def before_after_section(rows: list[dict]) -> str:
+    cmds, out = Commands(), []
+    for before, after in select_before_after(rows):
+        out.append([tokens(after["seq_len"]), commit(before), commit(after), f"{before['median_s']:.2f}",
+                    f"{after['median_s']:.2f}", f"{after['time_vs_before']:.3f}",
+                    "yes" if after["grads_equal_before"] else "**no**", day(after),
+                    cmds.ref(before_after_command(before))])
+    if not out:
+        return ("_No rows yet: `python bench/before_after.py --before DIR --lengths 64K --chunk-size 8192 --compile "
+                "--keep-attention` (DIR: `git archive <commit> src | tar -x -C DIR`) measures them._")
+    return section("before/after pair", out, cmds,
+        "The same step (model, tokens, settings) run by an earlier commit's tree and this one's, each in its own "
+        "process in the same command (`bench/before_after.py`): the median step time of each, their ratio, and "
+        "whether every parameter's gradient is bitwise the same.",
+        table(["context", "before", "after", "before s", "after s", "after ÷ before", "gradients bitwise equal",
+               "date", "command"], out),
+        "Rows: the newest pair of each earlier commit, context and settings.")
+
+
 # --- the page ---------------------------------------------------------------------------------
 
 REPRODUCE = """On a GPU machine, from the repository root (`PYTHONPATH=src`, or after `scripts/install.sh`). Each
@@ -1030,6 +1080,7 @@ python bench/bench_copy.py                                               # host<
 python bench/bench_pin.py --gib 16                                       # pinning host memory, torch vs oomb
 python bench/soak.py --model byte-lm-30m --seq-len 256K --offload none --steps 20   # memory over 20 steps
 python bench/sanitize.py                                                 # compute-sanitizer on each kernel
+python bench/before_after.py --before DIR --lengths 64K --compile        # an earlier commit's step (DIR/src) beside this one's
 python bench/report.py                                                   # this page and its plots
 ```
 
@@ -1069,8 +1120,8 @@ def build(results: str, out_dir: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
-    steps, attention, parallel, soak, sanitize = (load(results, n) for n in (
-        "step.jsonl", "attention.jsonl", "parallel.jsonl", "soak.jsonl", "sanitize.jsonl"))
+    steps, attention, parallel, soak, sanitize, before_after = (load(results, n) for n in (
+        "step.jsonl", "attention.jsonl", "parallel.jsonl", "soak.jsonl", "sanitize.jsonl", "before_after.jsonl"))
     os.makedirs(out_dir, exist_ok=True)
     modes = select_memory(steps)
     plot_modes(modes, "peak_gib", "peak GPU memory (GiB)", "GPU memory of one training step",
@@ -1083,12 +1134,13 @@ def build(results: str, out_dir: str) -> str:
             + select_topk(steps) + select_longest(steps) + select_gpu_sizes(steps)
             + [r for trio in select_packed(steps) for r in trio if r] + select_gpt_oss(steps)
             + select_parallel(parallel)
-            + select_soak(soak) + select_sanitize(sanitize))
+            + select_soak(soak) + select_sanitize(sanitize) + [r for pair in select_before_after(before_after)
+                                                                 for r in pair])
     bodies = [kernels_section(attention), dense_step_section(steps), memory_section(steps), topk_section(steps),
               offload_section(steps), longest_section(steps), gpu_sizes_section(steps, out_dir), packed_section(steps),
               gpt_oss_section(steps),
               parallel_section(parallel),
-              reliability_section(soak, sanitize), REPRODUCE]
+              reliability_section(soak, sanitize), before_after_section(before_after), REPRODUCE]
     page = intro(used) + "\n\n" + "\n\n".join(f"## {title}\n\n{body}" for title, body in zip(SECTIONS, bodies)) + "\n"
     with open(os.path.join(out_dir, "benchmarks.md"), "w") as f:
         f.write(page)

@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (CPU, tiny preset), so a GPU call never finds them broken."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -222,3 +223,27 @@ def test_bench_step_packed_documents_equal_separate_sequences(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["impl"], r["packed_docs"]) for r in rows] == [("oomb", 256), ("hf", 256)] and all(r["ok"] for r in rows)
     assert abs(rows[0]["loss"] - rows[1]["loss"]) <= 1e-4 * rows[1]["loss"]
+
+
+def test_before_after_tells_a_changed_gradient(tmp_path):
+    """bench/before_after.py runs one step per source tree in its own process and compares the
+    gradients bit for bit: an earlier tree whose layers scale their output by 1.0001 differs, and
+    the row names the parameters (the embedding's gradient is the first in the model's order)."""
+    shutil.copytree(os.path.join(ROOT, "src"), tmp_path / "before" / "src")
+    base = tmp_path / "before" / "src" / "oomb" / "models" / "base.py"
+    text = base.read_text()
+    line = "        return h + self.mlp(layer, layer.post_attention_layernorm(h))"
+    assert line in text
+    base.write_text(text.replace(line, "        return (h + self.mlp(layer, layer.post_attention_layernorm(h))) * 1.0001"))
+    out = tmp_path / "rows.jsonl"
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "before_after.py"), "--before",
+                           str(tmp_path / "before"), "--before-commit", "scaled", "--device", "cpu", "--model", "tiny",
+                           "--lengths", "512", "--chunk-size", "128", "--page-size", "64", "--backend", "torch",
+                           "--offload", "all", "--out", str(out)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = (json.loads(line) for line in out.read_text().splitlines())
+    assert (before["tree"], before["commit"], after["tree"]) == ("before", "scaled", "after")
+    assert before["ok"] and after["ok"] and before["grad_sha256"] != after["grad_sha256"]
+    assert after["grads_equal_before"] is False and "model.embed_tokens.weight" in after["differing_params"]
+    assert after["time_vs_before"] > 0 and before["host_layers"] == after["host_layers"] > 0

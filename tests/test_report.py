@@ -12,7 +12,7 @@ import report  # noqa: E402
 
 HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
             "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
-            "Long runs and sanitizers", "How to reproduce"]
+            "Long runs and sanitizers", "Before and after a change", "How to reproduce"]
 PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png", "longest_context_vs_gpu.png"]
 MACHINE = {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "transformers": "5.17.0"}
 K, M = 1024, 2**20
@@ -113,10 +113,20 @@ def sample_sanitize():
             for k in ("forward", "backward") for t in ("memcheck", "racecheck")]
 
 
+def sample_before_after():
+    common = dict(bench="before_after", ok=True, seq_len=64 * K, model="qwen2.5-7b", lora_rank=0, chunk_size=8192,
+                  page_size=128, backend="auto", offload="none", sparse_budget=0, kv_grad_dtype="fp32",
+                  checkpoint_layers=False, compile=True, keep_attention=True, param_grad_dtype="param", repeats=3,
+                  **MACHINE)
+    return [dict(common, tree="before", commit="991b9bd", median_s=12.0, date="2026-12-04T01:00:00+00:00"),
+            dict(common, tree="after", commit="abc1234", median_s=12.12, time_vs_before=1.01,
+                 grads_equal_before=True, date="2026-12-04T01:01:00+00:00")]
+
+
 def write_results(path):
     path.mkdir()
     for name, rows in (("step", sample_steps()), ("attention", sample_attention()), ("parallel", sample_parallel()),
-                       ("soak", sample_soak()), ("sanitize", sample_sanitize())):
+                       ("soak", sample_soak()), ("sanitize", sample_sanitize()), ("before_after", sample_before_after())):
         (path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
@@ -265,3 +275,15 @@ def test_soak_rows_without_a_verdict_are_left_out():
     resumed = dict(base, date="2026-12-03T07:13:00+00:00", flat=None, steps=1, growth={})
     assert report.select_soak([judged, resumed]) == [judged]
     assert report.select_soak([resumed]) == []
+
+
+def test_before_after_pairs_and_their_command():
+    """A before/after run's two rows become one line: both medians, their ratio, whether the
+    gradients were bitwise equal; the command is rebuilt from the settings the rows record."""
+    before, after = sample_before_after()
+    assert report.select_before_after([before, after, dict(after, seq_len=M)]) == [(before, after)]
+    [line] = table_rows(report.before_after_section([before, after]))
+    assert "| 64K | 991b9bd | abc1234 | 12.00 | 12.12 | 1.010 | yes |" in line
+    assert report.before_after_command(before) == (
+        "python bench/before_after.py --before DIR --before-commit 991b9bd --lengths 64K --chunk-size 8192 "
+        "--repeats 3 --compile --keep-attention")
