@@ -185,6 +185,7 @@ def test_a_per_process_memory_fraction_is_the_gpu_planned_for(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 10 * GIB)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 8 * GIB)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 0.2, raising=False)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # 'cuda' is the current device's index
     cuda = torch.device("cuda")
     assert device_memory(cuda) == (28 * GIB - 8 * GIB, 28 * GIB)  # the cap less what is allocated
     assert Machine.measure(cuda).gpu_bytes == 28 * GIB
