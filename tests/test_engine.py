@@ -185,7 +185,8 @@ def test_checkpoint_layers_gives_identical_gradients(backend, kwargs):
     import peft
     model = peft.get_peft_model(make_model("qwen2"), peft.LoraConfig(
         r=4, lora_dropout=0.3, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
-    ids = torch.randint(0, VOCAB, (2, 150), generator=torch.Generator().manual_seed(8))
+    # one sequence under the Triton interpreter (it runs a program at a time)
+    ids = torch.randint(0, VOCAB, (1 if backend == "triton" else 2, 150), generator=torch.Generator().manual_seed(8))
     results = []
     for checkpoint_layers in (False, True):
         torch.manual_seed(0)
