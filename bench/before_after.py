@@ -31,15 +31,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import record, run_info, warm_up  # noqa: E402
+from common import record, run_info, warm_up, warm_up_tokens  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def parse_tokens(text: str) -> int:
-    """'64K' -> 65536, '1M' -> 1048576 (the trees' own parsers may differ: this one is fixed)."""
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1].upper(), 1)
-    return int(text[:-1] if scale > 1 else text) * scale
 
 
 def digests(model) -> dict[str, str]:
@@ -79,7 +73,7 @@ def worker(args) -> None:
     ids = torch.randint(0, model.config.vocab_size, (1, length), generator=torch.Generator().manual_seed(length))
     ids = ids.to(args.device)
     engine.reserve(1, length)
-    warm_up(engine, min(length, max(6 * args.chunk_size, 1025 * args.page_size + args.chunk_size)))
+    warm_up(engine, warm_up_tokens(length, args.chunk_size, args.page_size, engine.config.group_pages, 6))
     times, loss = [], None
     for _ in range(args.repeats):
         for p in model.parameters():
@@ -134,6 +128,8 @@ def main() -> None:
     if not args.before or not os.path.isdir(os.path.join(args.before, "src", "oomb")):
         sys.exit(f"--before {args.before!r} must be a directory holding an earlier tree's src/oomb "
                  "(git archive <commit> src | tar -x -C DIR)")
+    from oomb.cli import parse_tokens  # this checkout's (the workers import each tree's oomb)
+
     info = run_info()
     trees = [("before", os.path.abspath(args.before), args.before_commit or "unknown"), ("after", ROOT, info["commit"])]
     for length in map(parse_tokens, args.lengths.split(",")):
@@ -142,18 +138,19 @@ def main() -> None:
             env = {**os.environ, "PYTHONPATH": os.path.join(tree, "src")}
             cmd = [sys.executable, os.path.abspath(__file__), "--worker", tree, "--length", str(length),
                    *sys.argv[1:]]
+            error, lines = None, []
             try:
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+                lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+                if done.returncode or not lines:
+                    sys.stderr.write(done.stderr[-4000:])
+                    error = (done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip()
+                             else f"exit {done.returncode}")
             except subprocess.TimeoutExpired:
+                error = f"timeout {args.timeout}s"
+            if error:
                 record(args.out, {"bench": "before_after", "tree": name, "seq_len": length, "ok": False,
-                                  "error": f"timeout {args.timeout}s", **settings(args), **info, "commit": commit})
-                break
-            lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-            if done.returncode or not lines:
-                sys.stderr.write(done.stderr[-4000:])
-                record(args.out, {"bench": "before_after", "tree": name, "seq_len": length, "ok": False,
-                                  "error": done.stderr.strip().splitlines()[-1][:200] if done.stderr.strip() else
-                                  f"exit {done.returncode}", **settings(args), **info, "commit": commit})
+                                  "error": error, **settings(args), **info, "commit": commit})
                 break
             got = json.loads(lines[-1])
             grads = got.pop("grads")

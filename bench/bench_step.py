@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (GpuMeter, PassClock, memory_traced, packed_positions, profiled, record,  # noqa: E402
-                    run_info, warm_up)
+                    run_info, warm_up, warm_up_tokens)
 
 from oomb.cli import parse_tokens  # noqa: E402
 from oomb.memory.device import ALLOCATOR_SETTINGS  # noqa: E402
@@ -105,9 +105,8 @@ def default_step_fn(model, model_name: str, lora_rank: int, sparse_budget: int =
         engine.reserve(1, tokens)
         # past one group of pages (the kernels' later groups run without the chunk's own keys, a
         # variant of their own), with the timed length's layers on the host (the host path's kernels)
-        warm = min(tokens, max(3 * settings.chunk_size,
-                               (settings.group_pages + 1) * settings.page_size + settings.chunk_size))
-        warm_up(engine, warm, packed_docs)
+        warm_up(engine, warm_up_tokens(tokens, settings.chunk_size, settings.page_size, settings.group_pages, 3),
+                packed_docs)
         for p in model.parameters():
             p.grad = None
         state.update(tokens=tokens, engine=engine, choice=choice)
@@ -198,7 +197,7 @@ def worker(args) -> None:
     # pages (--group-pages, 1024 by default: the kernels' second group runs without the chunk's
     # own keys, a variant of its own); at most the first length (a longer one after it may still
     # compile that variant). With 8192 tokens the first timed step compiled those (~0.8 s at 32K, dense).
-    warm = min(max(6 * args.chunk_size, (args.group_pages + 1) * 128 + args.chunk_size), args.lengths[0])
+    warm = warm_up_tokens(args.lengths[0], args.chunk_size, 128, args.group_pages, 6)
     default = args.impl in DEFAULT_IMPLS  # builds (and warms up) its engine per length in reserve()
     if not default:
         t0 = time.perf_counter()

@@ -216,6 +216,13 @@ def packed_positions(tokens: int, packed_docs: int, device) -> torch.Tensor | No
     return (torch.arange(tokens, device=device) % max(1, min(packed_docs, tokens // 2)))[None]
 
 
+def warm_up_tokens(length: int, chunk_size: int, page_size: int, group_pages: int, chunks: int) -> int:
+    """Tokens of a warm-up step: `chunks` chunks, and past one group of `group_pages` pages (the
+    kernels' later groups run without the chunk's own keys, a variant of their own); at most
+    `length`."""
+    return min(length, max(chunks * chunk_size, (group_pages + 1) * page_size + chunk_size))
+
+
 def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
     """One step of `tokens` random tokens with as many layers' pages on the host as the length the
     engine was reserved for puts there (a fixed page budget places them), so that the kernels and

@@ -819,10 +819,9 @@ def planned_peak(r: dict) -> int:
     p = plan(config, r["seq_len"], engine=engine.replace(keep_attention=True), trainable_params=trainable,
              optimizer_bytes_per_param=0)
     host = r.get("host_layers") or 0
-    layer = (p.pages + p.representatives - p.window_pages) // max(1, p.full_layers)
     kept_gpu = (r.get("kept_layers") or 0) - (r.get("kept_host_layers") or 0)
-    return (p.weights + p.grads + p.working_set + p.selections + p.window_pages + (p.full_layers - host) * layer
-            + (p.staging if host else 0) + kept_gpu * (p.kept_attention // max(1, p.kept_layers)))
+    return (p.beside_pages + p.window_pages + (p.full_layers - host) * p.layer_bytes + (p.staging if host else 0)
+            + kept_gpu * p.kept_layer_bytes)
 
 
 def longest_section(rows: list[dict]) -> str:

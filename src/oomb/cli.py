@@ -257,11 +257,11 @@ def cmd_tokenize(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     from .memory.device import ALLOCATOR_SETTINGS
     from .train.config import TrainConfig
+    from .train.data import BIN_DTYPES
+    from .train.needles import DEFAULT_TEMPLATE
 
     # Read when CUDA is first used, which is later: the user's own setting wins.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
-    from .train.data import BIN_DTYPES
-    from .train.needles import DEFAULT_TEMPLATE
 
     parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)

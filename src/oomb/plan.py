@@ -54,9 +54,24 @@ class MemoryPlan:
         return self.kv_pages + self.grad_pages
 
     @property
+    def beside_pages(self) -> int:
+        """Device bytes the step needs whatever the pages' placement: weights, gradients,
+        optimizer state, one chunk's working set and the sparse selections."""
+        return self.weights + self.grads + self.optimizer + self.working_set + self.selections
+
+    @property
+    def layer_bytes(self) -> int:
+        """One full-attention layer's pages and representatives (a layer is placed whole)."""
+        return (self.pages + self.representatives - self.window_pages) // max(1, self.full_layers)
+
+    @property
+    def kept_layer_bytes(self) -> int:
+        """One layer's kept attention outputs (when counted: keep_attention)."""
+        return self.kept_attention // self.kept_layers if self.kept_layers else 0
+
+    @property
     def total(self) -> int:
-        return (self.weights + self.grads + self.optimizer + self.pages + self.representatives + self.selections
-                + self.kept_attention + self.working_set)
+        return self.beside_pages + self.pages + self.representatives + self.kept_attention
 
     def bytes_per_token(self) -> float:
         """Page bytes per token of context (the slope of memory against context length)."""
@@ -284,11 +299,11 @@ def place(p: MemoryPlan, offload: str, gpu_capacity: int, host_capacity: int) ->
     """The step's placement (placement.place(), as the engine decides it) on a GPU of
     `gpu_capacity` bytes beside weights, gradients, optimizer state, one chunk's working set and
     a margin (gpu_margin()); kept attention outputs as many layers' on the GPU as fit, the others on the host."""
-    fixed = p.weights + p.grads + p.optimizer + p.working_set + p.selections + gpu_margin(gpu_capacity)
-    per_kept = p.kept_attention // p.kept_layers if p.kept_layers else 0
+    fixed = p.beside_pages + gpu_margin(gpu_capacity)
+    per_kept = p.kept_layer_bytes
     decision = placement.place(placement.PlacementInput(
         offload=offload, full_layers=p.full_layers,
-        layer_bytes=(p.pages + p.representatives - p.window_pages) // max(1, p.full_layers),  # a layer goes whole
+        layer_bytes=p.layer_bytes,
         window_bytes=p.window_pages, staging_bytes=p.staging, gpu_room=gpu_capacity - fixed,
         kept_layers=p.kept_layers, kept_gpu_bytes=per_kept, kept_host_bytes=per_kept))
     return Fit(offload, fixed + decision.gpu_bytes, decision.host_bytes, gpu_capacity, host_capacity, decision)
