@@ -85,8 +85,9 @@ class TrainConfig:
     shard_optimizer: bool = True  # data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
-    output_dir: str = ""  # where checkpoints go; empty: none are written
+    output_dir: str = ""  # where checkpoints, metrics.jsonl and the final model go; empty: nothing is written
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
+    save: bool = True  # False: no checkpoints and no final model, only metrics.jsonl (a benchmark's run)
     resume: str = ""  # a checkpoint directory written by this trainer
     log_every: int = 1
     max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
