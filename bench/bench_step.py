@@ -13,6 +13,13 @@ counters), one after the other in the same command.
 
 Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
 memory, and the oomb memory plan for comparison.
+
+`oomb-train` and `oomb-sparse-train` time `oomb train` itself instead, with no flags but the
+model, the length, --lora-rank (and top-k 64): --train-steps optimizer steps, each as its
+metrics.jsonl logs it (data, forward and backward, gradient clipping, AdamW's step); the row's
+step_s is the median of the steps after the first (which compiles and warms up):
+
+    python bench/bench_step.py --impls oomb-default,oomb-train --lengths 64K
 """
 from __future__ import annotations
 
@@ -21,15 +28,17 @@ import importlib.util
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (GpuMeter, PassClock, memory_traced, packed_positions, profiled, record,  # noqa: E402
-                    run_info, warm_up, warm_up_tokens)
+from common import (GpuMeter, PassClock, logged_steps, memory_traced, packed_positions, profiled,  # noqa: E402
+                    record, run_info, warm_up, warm_up_tokens)
 
 from oomb.cli import parse_tokens  # noqa: E402
 from oomb.memory.device import ALLOCATOR_SETTINGS  # noqa: E402
@@ -308,12 +317,50 @@ def measure(args, length, step, reserve, reserve_s, model, info, weights_gib, co
     return row["ok"]
 
 
+TRAINER_IMPLS = {"oomb-train": 0, "oomb-sparse-train": 64}  # impl: its --sparse-budget
+
+
+def trainer_row(args, impl: str, length: int, env: dict) -> dict:
+    """`oomb train` as a user runs it (a child process, no tuning flags) for --train-steps steps
+    at `length` tokens: its step times from metrics.jsonl (no checkpoints: --no-save)."""
+    from oomb.presets import preset_config
+
+    row = {"bench": "step", "impl": impl, "model": args.model, "lora_rank": args.lora_rank, "seq_len": length,
+           "layers": preset_config(args.model).num_hidden_layers, "sparse_budget": TRAINER_IMPLS[impl],
+           "train_steps": args.train_steps}
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "oomb.cli", "train", "--model", args.model, "--seq-len", str(length),
+               "--steps", str(args.train_steps), "--lora-rank", str(args.lora_rank), "--device", args.device,
+               "--sparse-budget", str(TRAINER_IMPLS[impl]), "--output-dir", out, "--no-save"]
+        print(f"[{impl} {length:,}] {' '.join(cmd[1:])}", file=sys.stderr, flush=True)
+        try:
+            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            return {**row, "ok": False, "error": f"timeout {args.timeout}s", **run_info()}
+        sys.stdout.write(done.stdout)
+        metrics = os.path.join(out, "metrics.jsonl")
+        steps = logged_steps(open(metrics).read().splitlines()) if os.path.exists(metrics) else []
+    if done.returncode or len(steps) < args.train_steps:
+        sys.stderr.write(done.stderr[-4000:])
+        last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        return {**row, "ok": False, "error": last[0][:200], **run_info()}
+    times = [r["step_s"] for r in steps]
+    step_s = statistics.median(times[1:] or times)
+    chose = [line.removeprefix("oomb train: ") for line in done.stdout.splitlines()
+             if line.startswith("oomb train: auto configuration")]
+    return {**row, "ok": True, "step_s": step_s, "tok_s": round(length / step_s, 1), "trainer_step_s": times,
+            "loss": steps[-1]["loss"], "peak_gib": max(r["peak_mem_gib"] for r in steps),
+            "host_peak_gib": max(r.get("host_rss_gib", 0.0) for r in steps),
+            "host_layers": steps[-1].get("host_layers"), **({"auto": chose[0]} if chose else {}), **run_info()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--impls", default="oomb,liger,hf",
                     help="oomb, oomb-all, oomb-auto (offload modes), oomb-sparse[-all|-auto] (TopKPages(64)), "
                          "oomb-default, oomb-sparse-default (what oomb train chooses, dense or --sparse-budget 64: no "
-                         "tuning flags apply), liger, hf")
+                         "tuning flags apply), oomb-train, oomb-sparse-train (oomb train itself, optimizer "
+                         "included), liger, hf")
     ap.add_argument("--lengths", default="32K,64K,128K,256K")
     ap.add_argument("--model", default="qwen2.5-7b", help="a preset of oomb.presets (qwen2.5-7b, gpt-oss-20b)")
     ap.add_argument("--layers", type=int, default=None, help="default: the preset's")
@@ -352,6 +399,8 @@ def main() -> None:
                          "history) and print those live at its peak by the lines that made them; JSON into FILE")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
+    ap.add_argument("--train-steps", type=int, default=3,
+                    help="oomb-train, oomb-sparse-train: the trainer's --steps (the first is not timed)")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
     args = ap.parse_args()
     args.lengths = [parse_tokens(x) for x in args.lengths.split(",")]
@@ -360,10 +409,21 @@ def main() -> None:
     if args.impl:
         return worker(args)
     impls = args.impls.split(",")
+    trainers = [i for i in impls if i in TRAINER_IMPLS]
+    if trainers and (args.gpu_cap_gib is not None or args.layers is not None):
+        sys.exit(f"{', '.join(trainers)} run oomb train on the whole GPU and the whole preset: leave them out of a "
+                 "run with --gpu-cap-gib or --layers")
     if ("liger" in impls or args.oomb_liger) and importlib.util.find_spec("liger_kernel") is None:
         sys.exit("--impls liger and --oomb-liger need Liger's kernels: pip install liger-kernel (offline: "
                  "pip install --no-deps a liger_kernel wheel; they need only torch and triton)")
     for impl in impls:
+        env = dict(os.environ)
+        if impl.startswith("oomb"):  # as `oomb train` runs (oomb.cli.main)
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
+        if impl in TRAINER_IMPLS:
+            for length in args.lengths:
+                record(args.out, trainer_row(args, impl, length, env))
+            continue
         cmd = [sys.executable, __file__, "--impl", impl, "--lengths", ",".join(map(str, args.lengths)),
                "--model", args.model, "--lora-rank", str(args.lora_rank), "--chunk-size", str(args.chunk_size),
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
@@ -387,9 +447,6 @@ def main() -> None:
             cmd += ["--gpu-cap-gib", str(args.gpu_cap_gib)]
         if args.packed_docs:
             cmd += ["--packed-docs", str(args.packed_docs)]
-        env = dict(os.environ)
-        if impl.startswith("oomb"):  # as `oomb train` runs (oomb.cli.main)
-            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
         try:
             subprocess.run(cmd, timeout=args.timeout, env=env)  # the worker prints and appends its rows
         except subprocess.TimeoutExpired:

@@ -36,6 +36,20 @@ def run_info() -> dict:
     return info
 
 
+def logged_steps(lines: list[str]) -> list[dict]:
+    """The logged training steps among the lines of `oomb train`'s metrics.jsonl (not skipped
+    steps, evaluations, or a line still being written)."""
+    rows = []
+    for line in lines:
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if "step" in r and "step_s" in r and not r.get("skipped"):
+            rows.append(r)
+    return rows
+
+
 class PassClock:
     """When each chunk pass of an oomb step ends: a CUDA event recorded on the compute stream as
     the host queues the pass (the engine's progress callback: no sync), or the host clock on

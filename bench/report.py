@@ -28,11 +28,13 @@ OFFLOAD = {"oomb": "none", "oomb-all": "all", "oomb-auto": "auto",
            "oomb-sparse": "none", "oomb-sparse-all": "all", "oomb-sparse-auto": "auto", "oomb-default": "auto",
            "oomb-sparse-default": "auto"}
 DEFAULT_IMPLS = {"oomb-default", "oomb-sparse-default"}  # what oomb train chooses (oomb.auto)
+TRAINER_IMPLS = {"oomb-train": "oomb-default", "oomb-sparse-train": "oomb-sparse-default"}  # and its engine-only step
 PRESET_LAYERS = {"qwen2.5-7b": 28, "qwen2.5-3b": 36, "qwen2.5-1.5b": 28, "gpt-oss-20b": 24}
 PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pinned pages
 BASELINES = {"liger": "transformers + Liger", "hf": "transformers"}
 
-SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
+SECTIONS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "The trainer end to end", "GPU memory vs context",
+            "Top-k sparse steps",
             "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
             "Long runs and sanitizers", "Before and after a change", "How to reproduce"]
 
@@ -222,6 +224,8 @@ def step_command(r: dict) -> str:
         parts.append(f"--packed-docs {tokens(r['packed_docs'])}")
     if r.get("gpu_cap_gib"):
         parts.append(f"--gpu-cap-gib {r['gpu_cap_gib']:g}")
+    if r.get("train_steps", 3) != 3:
+        parts.append(f"--train-steps {r['train_steps']}")
     return " ".join(parts)
 
 
@@ -388,6 +392,46 @@ def dense_step_section(rows: list[dict]) -> str:
         "step, beside its run's Liger step nearest in time. oomb-default plans room for AdamW's state (bf16 "
         "moments: 28.4 GiB for the 7B), which neither the tuned steps nor Liger's hold. A peak shown as — was not "
         "the step's own (the process had reserved pages for a longer context).")
+
+
+# --- the trainer end to end -------------------------------------------------------------------
+
+def select_trainer(rows: list[dict]) -> list[tuple[dict, dict | None]]:
+    """The newest `oomb train` row (oomb-train, oomb-sparse-train) of each kind, model, LoRA rank
+    and context, with the newest engine-only step of the same choice there (oomb-default,
+    oomb-sparse-default: the same model whole, on the whole GPU), or None."""
+    runs = [r for r in rows if shipped(r, TRAINER_IMPLS.__contains__) and r.get("ok")]
+    pairs = []
+    for r in sorted(newest_each(runs, lambda r: (r["impl"], r["model"], r.get("lora_rank", 0), r["seq_len"])),
+                    key=lambda r: (r["model"], r.get("lora_rank", 0), r["impl"], r["seq_len"])):
+        engine = [e for e in step_rows(rows) if e["impl"] == TRAINER_IMPLS[r["impl"]] and e["seq_len"] == r["seq_len"]
+                  and e.get("model", "qwen2.5-7b") == r["model"] and e.get("layers") == r["layers"]
+                  and e.get("lora_rank", 0) == r.get("lora_rank", 0)]
+        pairs.append((r, newest(engine) if engine else None))
+    return pairs
+
+
+def trainer_section(rows: list[dict]) -> str:
+    cmds, out = Commands(), []
+    if not select_trainer(rows):
+        return ("_No rows yet: `python bench/bench_step.py --impls oomb-default,oomb-train --lengths 64K` and "
+                "`python bench/bench_step.py --impls oomb-sparse-default,oomb-sparse-train --lengths 1M` measure "
+                "them._")
+    for r, e in select_trainer(rows):
+        ref = cmds.ref(step_command(r)) + ("" if e is None else ", " + cmds.ref(step_command(e)))
+        beside = ["—"] * 3 if e is None else [f"{e['step_s']:.2f}", commit(e), f"{e['step_s'] / r['step_s']:.3f}"]
+        what = f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full"
+        out.append([tokens(r["seq_len"]), f"{r['model']}, {what}", "top-k 64" if r.get("sparse_budget") else "dense",
+                    str(len(r["trainer_step_s"])), f"{r['trainer_step_s'][0]:.2f}", f"{r['step_s']:.2f}",
+                    num(r["tok_s"]), f"{r['peak_gib']:.1f}", *beside, commit(r), day(r), ref])
+    return section("trainer", out, cmds,
+        "`oomb train` itself, with no flags but the model, the context and top-k: each optimizer step as its "
+        "metrics.jsonl logs it (the batch, forward and backward, gradient clipping, AdamW's step), the first "
+        "(which compiles and warms up) apart from the median of the rest; beside it the newest engine-only "
+        "step of the same automatic choice (forward and backward alone, the dense-step and top-k tables' "
+        "oomb-default rows).",
+        table(["context", "model", "attention", "steps", "first step s", "step s", "tok/s", "peak GiB",
+               "engine-only step s", "its commit", "engine-only ÷ trainer", "commit", "date", "commands"], out))
 
 
 # --- memory and tokens/s against the context --------------------------------------------------
@@ -1129,13 +1173,15 @@ def build(results: str, out_dir: str) -> str:
                os.path.join(out_dir, "tokens_per_s_vs_context.png"))
     plot_1m_breakdown(select_topk(steps), os.path.join(out_dir, "step_1m_breakdown.png"))
     used = ([r for e in select_kernels(attention) for k, r in e.items() if isinstance(r, dict)]
-            + [r for pair in select_dense_steps(steps) for r in pair if r] + [r for _, m in modes for r in m]
+            + [r for pair in select_dense_steps(steps) for r in pair if r]
+            + [r for pair in select_trainer(steps) for r in pair if r] + [r for _, m in modes for r in m]
             + select_topk(steps) + select_longest(steps) + select_gpu_sizes(steps)
             + [r for trio in select_packed(steps) for r in trio if r] + select_gpt_oss(steps)
             + select_parallel(parallel)
             + select_soak(soak) + select_sanitize(sanitize) + [r for pair in select_before_after(before_after)
                                                                  for r in pair])
-    bodies = [kernels_section(attention), dense_step_section(steps), memory_section(steps), topk_section(steps),
+    bodies = [kernels_section(attention), dense_step_section(steps), trainer_section(steps), memory_section(steps),
+              topk_section(steps),
               offload_section(steps), longest_section(steps), gpu_sizes_section(steps, out_dir), packed_section(steps),
               gpt_oss_section(steps),
               parallel_section(parallel),

@@ -29,7 +29,6 @@ command a minute beyond --budget-s for the checkpoint and export written at the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import signal
@@ -39,24 +38,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src"))  # this tree's oomb
-from common import record, run_info  # noqa: E402
+from common import logged_steps, record, run_info  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SERIES = ("gpu_alloc_gib", "gpu_reserved_gib", "host_rss_gib", "pinned_gib")
-
-
-def step_rows(lines: list[str]) -> list[dict]:
-    """The logged training steps among metrics.jsonl lines (not skipped steps, evaluations, or a
-    line still being written)."""
-    rows = []
-    for line in lines:
-        try:
-            r = json.loads(line)
-        except ValueError:
-            continue
-        if "step" in r and "step_s" in r and not r.get("skipped"):
-            rows.append(r)
-    return rows
 
 
 def analyse(rows: list[dict], baseline_step: int = 2, tolerance_pct: float = 1.0, floor_gib: float = 0.01) -> dict:
@@ -127,7 +112,7 @@ def run(args) -> tuple[list[dict], str, int, float]:
         except subprocess.TimeoutExpired:
             finished = False
         lines = open(metrics).read().splitlines()[known:] if os.path.exists(metrics) else []
-        new = step_rows(lines)
+        new = logged_steps(lines)
         for r in new[len(rows):]:
             print(f"soak: step {r['step']}: " + ", ".join(f"{k} {r[k]}" for k in SERIES if k in r), flush=True)
         rows = new

@@ -10,7 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
 
-HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "GPU memory vs context", "Top-k sparse steps",
+HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "The trainer end to end", "GPU memory vs context",
+            "Top-k sparse steps",
             "Offload overhead", "Longest context", "Smaller GPUs", "Packed documents", "GPT-OSS", "Several GPUs",
             "Long runs and sanitizers", "Before and after a change", "How to reproduce"]
 PLOTS = ["memory_vs_context.png", "tokens_per_s_vs_context.png", "step_1m_breakdown.png", "longest_context_vs_gpu.png"]
@@ -66,6 +67,9 @@ def sample_steps():
         step("oomb-default", 128 * K, 36.0, 120.0, date="2026-12-01T03:02:00+00:00"),
         step("liger", 128 * K, 39.0, 80.0, date="2026-12-01T03:03:00+00:00"),
         step("oomb-default", 128 * K, 99.0, 100.0, packed_docs=8 * K, date="2026-11-30T03:00:00+00:00"),
+        # oomb train itself at 128K, beside the oomb-default step above
+        step("oomb-train", 128 * K, 36.5, 120.5, date="2026-12-01T03:10:00+00:00", sparse_budget=0, train_steps=3,
+             trainer_step_s=[70.0, 36.4, 36.6]),
         # newer, and none of them measured the code as shipped: never picked
         step("oomb two-state-fwd(reverted)", 64 * K, 1.0, 1.0, date="2026-12-02T00:00:00+00:00"),
         step("oomb", 64 * K, 1.0, 1.0, chunk_size=16384, merged=False, date="2026-12-02T00:01:00+00:00", **KEPT),
@@ -287,3 +291,21 @@ def test_before_after_pairs_and_their_command():
     assert report.before_after_command(before) == (
         "python bench/before_after.py --before DIR --before-commit 991b9bd --lengths 64K --chunk-size 8192 "
         "--repeats 3 --compile --keep-attention")
+
+
+def test_trainer_rows_pair_with_the_engine_only_step_of_the_same_choice():
+    """An `oomb train` row (median of the steps after the first) beside the newest whole-GPU
+    oomb-default step of the same model and context; a capped or LoRA engine step is not its pair."""
+    trainer = step("oomb-train", 64 * K, 12.6, 101.0, date="2026-12-04T02:00:00+00:00", sparse_budget=0,
+                   train_steps=4, trainer_step_s=[40.1, 12.5, 12.6, 12.7])
+    engine = step("oomb-default", 64 * K, 12.2, 100.0, date="2026-12-04T01:00:00+00:00")
+    others = [step("oomb-default", 64 * K, 9.0, 20.0, gpu_cap_gib=24, date="2026-12-04T01:30:00+00:00"),
+              step("oomb-default", 64 * K, 9.0, 20.0, lora_rank=16, date="2026-12-04T01:40:00+00:00"),
+              step("oomb-default", 64 * K, 12.0, 100.0, date="2026-12-03T01:00:00+00:00")]
+    [(picked, beside)] = report.select_trainer([trainer, engine, *others])
+    assert picked == trainer and beside["date"] == engine["date"] and beside["step_s"] == 12.2
+    [line] = table_rows(report.trainer_section([trainer, engine, *others]))
+    assert "| 64K | qwen2.5-7b, full | dense | 4 | 40.10 | 12.60 | 5,201 | 101.0 | 12.20 | a1b2c3d | 0.968 |" in line
+    assert "python bench/bench_step.py --impls oomb-train --lengths 64K --train-steps 4" in report.trainer_section(
+        [trainer, engine])
+    assert report.trainer_section([engine]).startswith("_No rows yet")

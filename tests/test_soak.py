@@ -6,6 +6,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
+import common  # noqa: E402
 import soak  # noqa: E402
 
 
@@ -41,7 +42,7 @@ def test_small_series_floor_skipped_steps_and_too_few_steps():
     lines = [json.dumps(r) for r in rows(pinned_gib=[1.0, 1.0, 1.0])]
     lines.insert(1, json.dumps({"step": 2, "skipped": True, "loss": "nan"}))
     lines.insert(2, json.dumps({"step": 2, "eval_loss": 3.0}))
-    assert [r["step"] for r in soak.step_rows(lines + ['{"step": 4, "lo'])] == [1, 2, 3]  # the last: half written
+    assert [r["step"] for r in common.logged_steps(lines + ['{"step": 4, "lo'])] == [1, 2, 3]  # the last: half written
 
 
 def test_cpu_smoke_end_to_end(tmp_path):
