@@ -247,3 +247,21 @@ def test_before_after_tells_a_changed_gradient(tmp_path):
     assert before["ok"] and after["ok"] and before["grad_sha256"] != after["grad_sha256"]
     assert after["grads_equal_before"] is False and "model.embed_tokens.weight" in after["differing_params"]
     assert after["time_vs_before"] > 0 and before["host_layers"] == after["host_layers"] > 0
+
+
+def test_bench_step_times_oomb_train_itself(tmp_path):
+    """oomb-train runs `oomb train` with no tuning flags: its row holds every step's time from
+    metrics.jsonl, the median of those after the first, and the same automatic choice as the
+    engine-only oomb-default step at that length."""
+    out = tmp_path / "step.jsonl"
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
+           "--impls", "oomb-default,oomb-train", "--lengths", "1K", "--train-steps", "4", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
+    engine, trainer = [json.loads(line) for line in out.read_text().splitlines()]
+    assert trainer["impl"] == "oomb-train" and trainer["ok"] and trainer["layers"] == 4
+    times = trainer["trainer_step_s"]
+    assert len(times) == 4 and trainer["step_s"] == sorted(times[1:])[1]
+    assert trainer["auto"].split(" (chosen")[0] == engine["auto"].split(" (chosen")[0]
+    capped = subprocess.run(cmd + ["--gpu-cap-gib", "24"], env=env, capture_output=True, text=True, timeout=600)
+    assert capped.returncode and "leave them out of a run with --gpu-cap-gib" in capped.stderr
