@@ -7,7 +7,7 @@ from transformers import AutoModelForCausalLM
 
 import oomb
 from oomb.models.rope import RopeScaling, check_positions
-from oomb.presets import load_config, load_model
+from oomb.presets import load_config, load_model, load_tokenizer
 from tiny_models import VOCAB, make_model
 
 
@@ -69,3 +69,19 @@ def test_rope_errors_and_warnings():
         check_positions(cfg, 4096, None, None)
     with pytest.raises(ValueError, match="neither a preset nor a local checkpoint directory; presets: tiny"):
         load_config("no-such-model")
+
+
+def test_names_that_are_not_checkpoints_never_reach_the_hub(tmp_path, monkeypatch):
+    """A preset has no tokenizer and a bare name is no checkpoint: both are refused at once (offline,
+    transformers retries the hub for ~45 s); a directory named without a slash is a checkpoint."""
+    import time
+
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match="'tiny' is a preset: random weights and no tokenizer"):
+        load_tokenizer("tiny")
+    with pytest.raises(ValueError, match="'no-such-model' is neither a local checkpoint directory nor an org/name"):
+        load_tokenizer("no-such-model")
+    assert time.perf_counter() - t0 < 5
+    load_config("tiny").save_pretrained(tmp_path / "mine")
+    monkeypatch.chdir(tmp_path)
+    assert load_config("mine").hidden_size == load_config("tiny").hidden_size

@@ -56,7 +56,7 @@ def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling
     if name_or_path in PRESETS:
         cfg = preset_config(name_or_path, **overrides)
     else:
-        if "/" not in name_or_path:  # neither a path nor an org/name hub id: no hub round trip
+        if "/" not in name_or_path and not os.path.isdir(name_or_path):  # nor an org/name hub id: no hub round trip
             raise ValueError(f"--model {name_or_path!r} is neither a preset nor a local checkpoint directory; "
                              f"presets: {', '.join(PRESETS)}")
         try:
@@ -67,6 +67,22 @@ def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling
             raise ValueError(f"--model {name_or_path!r} is {where}; presets: {', '.join(PRESETS)} ({e})") from None
     apply_rope(cfg, rope_theta, rope_scaling)
     return cfg
+
+
+def load_tokenizer(name_or_path: str):
+    """A checkpoint's tokenizer: a local directory or an org/name hub id. A preset (random weights,
+    no tokenizer) and a bare name that is no directory are refused at once: transformers would try
+    the hub for the name, which offline retries for ~45 s before failing."""
+    from transformers import AutoTokenizer
+
+    if name_or_path in PRESETS:
+        raise ValueError(f"{name_or_path!r} is a preset: random weights and no tokenizer")
+    if "/" not in name_or_path and not os.path.isdir(name_or_path):
+        raise ValueError(f"{name_or_path!r} is neither a local checkpoint directory nor an org/name hub id")
+    try:
+        return AutoTokenizer.from_pretrained(name_or_path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ValueError(f"{name_or_path!r} has no tokenizer transformers can load ({e})") from None
 
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -191,15 +191,11 @@ def _publish(tmp: Path, final: Path) -> None:
 
 def _save_tokenizer(source: str, path: Path) -> None:
     """The checkpoint's tokenizer beside the model (a preset has none)."""
-    from transformers import AutoTokenizer
+    from ..presets import load_tokenizer
 
-    from ..presets import PRESETS
-
-    if source in PRESETS:  # random weights, no tokenizer (and no hub lookup of the name)
-        return
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-    except (OSError, ValueError, TypeError):
+        tokenizer = load_tokenizer(source)
+    except ValueError:
         return
     tokenizer.save_pretrained(path)
 

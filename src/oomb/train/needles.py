@@ -16,6 +16,8 @@ from typing import Callable
 
 import numpy as np
 
+from ..presets import load_tokenizer
+
 DEFAULT_TEMPLATE = "\nThe value of key {key} is {value}.\n"
 KEY_ALPHABET = string.ascii_lowercase
 VALUE_ALPHABET = string.digits
@@ -56,13 +58,11 @@ def make_codec(name: str, vocab_size: int | None = None):
         if vocab_size is not None and vocab_size < 256:
             raise ValueError(f"a byte-level codec needs a vocabulary of >= 256 ids, the model has {vocab_size}")
         return ByteCodec()
-    from transformers import AutoTokenizer
-
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-    except (OSError, ValueError, TypeError) as e:
-        raise ValueError(f"--tokenizer {name!r}: no tokenizer there ({e}); use 'bytes' for a byte-level model or a "
-                         "checkpoint directory with tokenizer files") from None
+        tokenizer = load_tokenizer(name)
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {name!r}: {e}; use 'bytes' for a byte-level model or a checkpoint directory "
+                         "with tokenizer files") from None
     if vocab_size is not None and len(tokenizer) > vocab_size:
         raise ValueError(f"--tokenizer {name!r} has {len(tokenizer):,} ids, more than the model's vocab_size="
                          f"{vocab_size:,}: it is not this model's tokenizer")

@@ -14,6 +14,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import presets
 from .chat import render_chat
 from .documents import sibling, write_documents
 
@@ -101,13 +102,11 @@ def _dataset_records(path: Path, fields: tuple[str, ...]) -> Iterator[tuple[str,
 
 
 def load_tokenizer(model: str):
-    from transformers import AutoTokenizer
-
     try:
-        return AutoTokenizer.from_pretrained(model)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"no tokenizer for --model {model!r} (a local checkpoint directory or hub id with "
-                         f"tokenizer files is needed; presets have random weights and no tokenizer): {e}") from None
+        return presets.load_tokenizer(model)
+    except ValueError as e:
+        raise ValueError(f"no tokenizer for --model {model!r}: {e}; a local checkpoint directory or hub id with "
+                         "tokenizer files is needed") from None
 
 
 def tokenize(model: str, inputs: list[str], output: str, text_field: str = "text",
