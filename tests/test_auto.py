@@ -86,6 +86,32 @@ def test_nothing_fits_names_the_longest_context_that_does():
         choose(config, 2**20, machine, BASE)
 
 
+@pytest.mark.parametrize("trainer", [False, True])
+def test_nothing_fits_a_full_parameter_step_names_what_halves_its_state(trainer):
+    """80 GiB, a 1M top-k full-parameter step with fp32 gradient sums and AdamW: just short. The
+    error names bf16 sums and 8-bit AdamW with the longest context each reaches, which fits."""
+    from oomb import TopKPages
+
+    config = preset_config("qwen2.5-7b")
+    machine = Machine(80 * GIB, 110 * GIB)
+    base = BASE.replace(sparse=TopKPages(budget=64), param_grad_dtype=torch.float32)
+    n = 7_615_616_512  # the 7B's parameters: the trainer passes them, all trainable (oomb plan passes neither)
+    args = dict(trainable_params=n, n_params=n) if trainer else {}
+    with pytest.raises(NothingFits) as e:
+        choose(config, 2**20, machine, base, **args)
+    msg = str(e.value)
+    assert "LoRA (--lora-rank 16)" in msg
+    for words, engine, extra in (("gradient sums in the weights' dtype (--param-grad-dtype param)",
+                                  base.replace(param_grad_dtype=None), {}),
+                                 ("8-bit AdamW (--optimizer adamw8bit)", base, {"optimizer_bytes_per_param": 2})):
+        reach = int(msg.split(f"With {words} ")[1].split(" tokens")[0].replace(",", ""))
+        assert reach >= 2**20 and choose(config, reach, machine, engine, **args, **extra).fit.fits
+    # a run already on bf16 sums and 8-bit AdamW is not told to use them
+    with pytest.raises(NothingFits) as e:
+        choose(config, 2**21, machine, base.replace(param_grad_dtype=None), **args, optimizer_bytes_per_param=2)
+    assert "--param-grad-dtype" not in str(e.value) and "adamw8bit" not in str(e.value)
+
+
 def test_a_retry_takes_less_working_memory():
     config = preset_config("qwen2.5-7b")
     machine = Machine(140 * GIB, 110 * GIB)

@@ -211,8 +211,21 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
         reach = longest_context(lambda n: fit(sparse, n).fits, frugal.chunk_size)
         if reach > longest:
             msg += f" With top-k sparse attention (--sparse-budget 64) {reach:,} tokens would fit."
-    if plan_args.get("trainable_params") is None:
+    trainable = plan_args.get("trainable_params")
+    if trainable is None or trainable == plan_args.get("n_params"):  # full-parameter gradients
         msg += " LoRA (--lora-rank 16) drops the gradients and optimizer state of the base weights."
+        smaller = []  # what halves a full-parameter step's per-weight state, each alone
+        if frugal.param_grad_dtype is not None:
+            smaller.append(("gradient sums in the weights' dtype (--param-grad-dtype param)",
+                            frugal.replace(param_grad_dtype=None), plan_args))
+        if plan_args.get("optimizer_bytes_per_param") is None or plan_args["optimizer_bytes_per_param"] > 3:
+            smaller.append(("8-bit AdamW (--optimizer adamw8bit)", frugal,
+                            {**plan_args, "optimizer_bytes_per_param": 2}))  # a byte per moment (block scales aside)
+        for words, engine, args in smaller:
+            reach = longest_context(lambda n: judge(model_config, n, batch, engine, machine, args)[1].fits,
+                                    frugal.chunk_size)
+            if reach > longest:
+                msg += f" With {words} {reach:,} tokens would fit."
     return msg + " More host memory holds more pages (offload 'auto' puts what the GPU cannot hold there)."
 
 
