@@ -693,6 +693,7 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
         out.append([f"{r['gpu_cap_gib']:g}", r.get("model", "qwen2.5-7b"), gpu_label(r), f"{r['seq_len']:,}",
                     f"{r['step_s']:.1f}", num(r["tok_s"]), peak(r), num(planned, ".2f"),
                     "—" if planned is None else f"{r['peak_gib'] / planned:.2f}", num(r.get("host_peak_gib"), ".1f"),
+                    f"{auto_longest(r):,}" if r["impl"] in DEFAULT_IMPLS else "—",
                     step_settings(r) if r["impl"] in OFFLOAD else "gradient checkpointing", commit(r), day(r),
                     cmds.ref(step_command(r))])
     if not out:
@@ -706,12 +707,17 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
         "for that memory with no tuning flags; transformers + Liger runs with gradient checkpointing.",
         "![Longest context against GPU memory](longest_context_vs_gpu.png)",
         table(["GPU GiB", "model", "implementation", "longest tokens", "s / step", "tok/s", "peak GPU GiB",
-               "plan GiB", "peak ÷ plan", "host GiB", "settings", "commit", "date", "command"], out),
+               "plan GiB", "peak ÷ plan", "host GiB", f"plan's longest (host {PLAN_HOST_GIB} GiB)", "settings",
+               "commit", "date", "command"], out),
         "Rows: for each cap, implementation and kind of gradients, the longest context that finished; the newest "
         "row there (each run stops an implementation at its first length that does not fit). Plan: what "
         "`oomb plan` gives that step's GPU memory today, placed as its engine placed it (report.py planned_peak: "
         "weights, gradients, one chunk's working set, the pages of the layers on the GPU, staging, kept outputs "
-        "on the GPU); a planned step keeps 5 % of the GPU (2 GiB at least) free beside it.",
+        "on the GPU); a planned step keeps 5 % of the GPU (2 GiB at least) free beside it. Plan's longest: the "
+        "longest context `oomb train` would choose settings for at that cap, by the plan, with AdamW's state "
+        f"counted and {PLAN_HOST_GIB} GiB of host memory for pages (what a 128 GiB machine leaves); its most "
+        "frugal setting (chunk 1024, bf16 dK/dV, layers recomputed) reaches it, so host memory, not the GPU, "
+        "bounds it.",
         plan_summary(rows))
 
 
@@ -850,6 +856,20 @@ def plan_checked(rows: list[dict]) -> list[tuple[dict, float]]:
               and r.get("own_peak", True) and r.get("peak_gib") and "kept_host_layers" in r
               and r.get("layers") == PRESET_LAYERS.get(r.get("model", "qwen2.5-7b")) and not r.get("packed_docs")]
     return [(r, r["peak_gib"] * 2**30 / planned_peak(r)) for r in picked]
+
+
+def auto_longest(r: dict) -> int:
+    """The longest context `oomb train`'s automatic configuration reaches for an oomb-default row's
+    model, gradients and attention at its GPU cap, with PLAN_HOST_GIB of host memory and AdamW's
+    state counted (as oomb train plans): that of its most frugal setting (oomb.auto.frugal)."""
+    from oomb.auto import Machine, frugal, judge
+    from oomb.plan import longest_context
+
+    config, engine, trainable = row_engine(r)
+    machine = Machine(int(r["gpu_cap_gib"] * 2**30), PLAN_HOST_GIB * 2**30)
+    least = frugal(engine.replace(keep_attention=None), r["seq_len"])
+    args = {"trainable_params": trainable}
+    return longest_context(lambda n: judge(config, n, 1, least, machine, args)[1].fits, least.chunk_size)
 
 
 def planned_peak(r: dict) -> int:

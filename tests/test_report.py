@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
@@ -240,6 +242,17 @@ def test_capped_steps_give_the_longest_context_per_gpu_size(tmp_path):
     assert all(not r.get("gpu_cap_gib") for r in report.step_rows(rows))
     assert report.step_command(picked[1]) == ("python bench/bench_step.py --impls oomb-default --lengths 256K "
                                              "--lora-rank 16 --gpu-cap-gib 24")
+    # the plan's longest context at that cap: oomb train chooses settings for it, not for 8 chunks more
+    from oomb.auto import Machine, NothingFits, choose
+    from oomb.config import EngineConfig
+    from oomb.presets import preset_config
+
+    longest = report.auto_longest(picked[1])
+    config, machine = preset_config("qwen2.5-7b"), Machine(24 * 2**30, report.PLAN_HOST_GIB * 2**30)
+    base, lora = EngineConfig(offload="auto", keep_attention=None), {"trainable_params": 20_185_088}
+    assert longest >= picked[1]["seq_len"] and choose(config, longest, machine, base, **lora).fit.fits
+    with pytest.raises(NothingFits):
+        choose(config, longest + 8 * 1024, machine, base, **lora)
 
 
 def test_packed_steps_pair_with_liger_batches_and_the_dense_step():

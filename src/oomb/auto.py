@@ -186,19 +186,26 @@ def choose(model_config, seq_len: int, machine: Machine, base: EngineConfig, fre
     raise NothingFits(_nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan_args))
 
 
+def frugal(base: EngineConfig, seq_len: int, free: tuple[str, ...] = AUTO_FIELDS) -> EngineConfig:
+    """The setting of the `free` fields that needs the least memory (the smallest chunk, bf16 dK/dV,
+    layers recomputed): the longest context it fits is the longest the automatic configuration
+    reaches, and what the error names when nothing fits."""
+    return base.replace(**{k: v for k, v in (("chunk_size", chunk_sizes(seq_len, base.page_size)[-1]),
+                                             ("kv_grad_dtype", torch.bfloat16), ("checkpoint_layers", True))
+                           if k in free})
+
+
 def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan_args) -> str:
     """The error when nothing fits: what the most frugal settings need, the longest context they
     fit, and what would go further."""
-    frugal = base.replace(**{k: v for k, v in (("chunk_size", chunk_sizes(seq_len, base.page_size)[-1]),
-                                               ("kv_grad_dtype", torch.bfloat16), ("checkpoint_layers", True))
-                             if k in free})
+    least = frugal(base, seq_len, free)
 
     def fit(engine, n):
         return judge(model_config, n, batch, engine, machine, plan_args)[1]
 
-    need = fit(frugal, seq_len)
-    longest = longest_context(lambda n: fit(frugal, n).fits, frugal.chunk_size)
-    settings = Choice(frugal, None, need, 0.0, (), machine).settings()
+    need = fit(least, seq_len)
+    longest = longest_context(lambda n: fit(least, n).fits, least.chunk_size)
+    settings = Choice(least, None, need, 0.0, (), machine).settings()
     if below is not None:
         head = (f"no setting needs less working memory than the one that ran out ({below.settings()}: "
                 f"{human_bytes(below.plan.working_set)} for one chunk's compute)")
@@ -207,23 +214,23 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
     msg = (f"{head}. The most frugal settings ({settings}) plan GPU {human_bytes(need.gpu)} (5 % of it left free) "
            f"and host {human_bytes(need.host)}; the longest context they fit is {longest:,} tokens.")
     if base.sparse is None:
-        sparse = frugal.replace(sparse=TopKPages(budget=64))
-        reach = longest_context(lambda n: fit(sparse, n).fits, frugal.chunk_size)
+        sparse = least.replace(sparse=TopKPages(budget=64))
+        reach = longest_context(lambda n: fit(sparse, n).fits, least.chunk_size)
         if reach > longest:
             msg += f" With top-k sparse attention (--sparse-budget 64) {reach:,} tokens would fit."
     trainable = plan_args.get("trainable_params")
     if trainable is None or trainable == plan_args.get("n_params"):  # full-parameter gradients
         msg += " LoRA (--lora-rank 16) drops the gradients and optimizer state of the base weights."
         smaller = []  # what halves a full-parameter step's per-weight state, each alone
-        if frugal.param_grad_dtype is not None:
+        if least.param_grad_dtype is not None:
             smaller.append(("gradient sums in the weights' dtype (--param-grad-dtype param)",
-                            frugal.replace(param_grad_dtype=None), plan_args))
+                            least.replace(param_grad_dtype=None), plan_args))
         if plan_args.get("optimizer_bytes_per_param") is None or plan_args["optimizer_bytes_per_param"] > 3:
-            smaller.append(("8-bit AdamW (--optimizer adamw8bit)", frugal,
+            smaller.append(("8-bit AdamW (--optimizer adamw8bit)", least,
                             {**plan_args, "optimizer_bytes_per_param": 2}))  # a byte per moment (block scales aside)
         for words, engine, args in smaller:
             reach = longest_context(lambda n: judge(model_config, n, batch, engine, machine, args)[1].fits,
-                                    frugal.chunk_size)
+                                    least.chunk_size)
             if reach > longest:
                 msg += f" With {words} {reach:,} tokens would fit."
     return msg + " More host memory holds more pages (offload 'auto' puts what the GPU cannot hold there)."
