@@ -106,6 +106,11 @@ def test_nothing_fits_a_full_parameter_step_names_what_halves_its_state(trainer)
                                  ("8-bit AdamW (--optimizer adamw8bit)", base, {"optimizer_bytes_per_param": 2})):
         reach = int(msg.split(f"With {words} ")[1].split(" tokens")[0].replace(",", ""))
         assert reach >= 2**20 and choose(config, reach, machine, engine, **args, **extra).fit.fits
+    # 48 GiB: the weights, gradients and AdamW's state alone are more than the GPU may use
+    with pytest.raises(NothingFits) as e:
+        choose(config, 2**18, Machine(48 * GIB, 110 * GIB), base, **args)
+    assert "alone take 70.9 GiB of the 45.6 GiB the GPU may use" in str(e.value)
+    assert "More host memory" not in str(e.value)
     # a run already on bf16 sums and 8-bit AdamW is not told to use them
     with pytest.raises(NothingFits) as e:
         choose(config, 2**21, machine, base.replace(param_grad_dtype=None), **args, optimizer_bytes_per_param=2)

@@ -213,6 +213,12 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
         head = f"{batch} x {seq_len:,} tokens do not fit this machine ({machine.describe()})"
     msg = (f"{head}. The most frugal settings ({settings}) plan GPU {human_bytes(need.gpu)} (5 % of it left free) "
            f"and host {human_bytes(need.host)}; the longest context they fit is {longest:,} tokens.")
+    p = judge(model_config, seq_len, batch, least, machine, plan_args)[0]
+    state, usable = p.weights + p.grads + p.optimizer, machine.gpu_bytes - gpu_margin(machine.gpu_bytes)
+    gpu_bound = not longest and machine.cuda and state >= usable  # no context at all: host memory cannot help
+    if gpu_bound:
+        msg += (f" The weights, their gradients and the optimizer state alone take {human_bytes(state)} of the "
+                f"{human_bytes(usable)} the GPU may use.")
     if base.sparse is None:
         sparse = least.replace(sparse=TopKPages(budget=64))
         reach = longest_context(lambda n: fit(sparse, n).fits, least.chunk_size)
@@ -233,7 +239,8 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
                                     least.chunk_size)
             if reach > longest:
                 msg += f" With {words} {reach:,} tokens would fit."
-    return msg + " More host memory holds more pages (offload 'auto' puts what the GPU cannot hold there)."
+    return msg + ("" if gpu_bound else " More host memory holds more pages (offload 'auto' puts what the GPU "
+                                       "cannot hold there).")
 
 
 def judge(model_config, seq_len: int, batch: int, engine: EngineConfig, machine: Machine,
