@@ -328,6 +328,7 @@ def trainer_row(args, impl: str, length: int, env: dict) -> dict:
     row = {"bench": "step", "impl": impl, "model": args.model, "lora_rank": args.lora_rank, "seq_len": length,
            "layers": preset_config(args.model).num_hidden_layers, "sparse_budget": TRAINER_IMPLS[impl],
            "train_steps": args.train_steps}
+    info = run_info()
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "oomb.cli", "train", "--model", args.model, "--seq-len", str(length),
                "--steps", str(args.train_steps), "--lora-rank", str(args.lora_rank), "--device", args.device,
@@ -337,14 +338,14 @@ def trainer_row(args, impl: str, length: int, env: dict) -> dict:
         try:
             done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            return {**row, "ok": False, "error": f"timeout {args.timeout}s", **run_info()}
+            return {**row, "ok": False, "error": f"timeout {args.timeout}s", **info}
         sys.stdout.write(done.stdout)
         metrics = os.path.join(out, "metrics.jsonl")
         steps = logged_steps(open(metrics).read().splitlines()) if os.path.exists(metrics) else []
     if done.returncode or len(steps) < args.train_steps:
         sys.stderr.write(done.stderr[-4000:])
         last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        return {**row, "ok": False, "error": last[0][:200], **run_info()}
+        return {**row, "ok": False, "error": last[0][:200], **info}
     times = [r["step_s"] for r in steps]
     step_s = statistics.median(times[1:] or times)
     chose = [line.removeprefix("oomb train: ") for line in done.stdout.splitlines()
@@ -352,7 +353,7 @@ def trainer_row(args, impl: str, length: int, env: dict) -> dict:
     return {**row, "ok": True, "step_s": step_s, "tok_s": round(length / step_s, 1), "trainer_step_s": times,
             "loss": steps[-1]["loss"], "peak_gib": max(r["peak_mem_gib"] for r in steps),
             "host_peak_gib": max(r.get("host_rss_gib", 0.0) for r in steps),
-            "host_layers": steps[-1].get("host_layers"), **({"auto": chose[0]} if chose else {}), **run_info()}
+            "host_layers": steps[-1].get("host_layers"), **({"auto": chose[0]} if chose else {}), **info}
 
 
 def main() -> None:

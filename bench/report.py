@@ -412,12 +412,12 @@ def select_trainer(rows: list[dict]) -> list[tuple[dict, dict | None]]:
 
 
 def trainer_section(rows: list[dict]) -> str:
-    cmds, out = Commands(), []
-    if not select_trainer(rows):
+    cmds, out, pairs = Commands(), [], select_trainer(rows)
+    if not pairs:
         return ("_No rows yet: `python bench/bench_step.py --impls oomb-default,oomb-train --lengths 64K` and "
                 "`python bench/bench_step.py --impls oomb-sparse-default,oomb-sparse-train --lengths 1M` measure "
                 "them._")
-    for r, e in select_trainer(rows):
+    for r, e in pairs:
         ref = cmds.ref(step_command(r)) + ("" if e is None else ", " + cmds.ref(step_command(e)))
         beside = ["—"] * 3 if e is None else [f"{e['step_s']:.2f}", commit(e), f"{e['step_s'] / r['step_s']:.3f}"]
         what = f"LoRA r={r['lora_rank']}" if r.get("lora_rank") else "full"

@@ -203,7 +203,7 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
     def fit(engine, n):
         return judge(model_config, n, batch, engine, machine, plan_args)[1]
 
-    need = fit(least, seq_len)
+    p, need = judge(model_config, seq_len, batch, least, machine, plan_args)
     longest = longest_context(lambda n: fit(least, n).fits, least.chunk_size)
     settings = Choice(least, None, need, 0.0, (), machine).settings()
     if below is not None:
@@ -213,7 +213,6 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
         head = f"{batch} x {seq_len:,} tokens do not fit this machine ({machine.describe()})"
     msg = (f"{head}. The most frugal settings ({settings}) plan GPU {human_bytes(need.gpu)} (5 % of it left free) "
            f"and host {human_bytes(need.host)}; the longest context they fit is {longest:,} tokens.")
-    p = judge(model_config, seq_len, batch, least, machine, plan_args)[0]
     state, usable = p.weights + p.grads + p.optimizer, machine.gpu_bytes - gpu_margin(machine.gpu_bytes)
     gpu_bound = not longest and machine.cuda and state >= usable  # no context at all: host memory cannot help
     if gpu_bound:

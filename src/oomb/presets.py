@@ -50,13 +50,19 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     return config_class(**{**PRESETS[name], **overrides})
 
 
+def _checkpoint_name(name_or_path: str) -> bool:
+    """A local directory or an org/name hub id: a bare name that is neither never reaches the hub
+    (offline, transformers retries it for ~45 s before failing)."""
+    return "/" in name_or_path or os.path.isdir(name_or_path)
+
+
 def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling: str | None = None,
                 **overrides) -> PretrainedConfig:
     """A preset's config or a local checkpoint's, with RoPE extended as asked (models/rope.py)."""
     if name_or_path in PRESETS:
         cfg = preset_config(name_or_path, **overrides)
     else:
-        if "/" not in name_or_path and not os.path.isdir(name_or_path):  # nor an org/name hub id: no hub round trip
+        if not _checkpoint_name(name_or_path):
             raise ValueError(f"--model {name_or_path!r} is neither a preset nor a local checkpoint directory; "
                              f"presets: {', '.join(PRESETS)}")
         try:
@@ -71,13 +77,12 @@ def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling
 
 def load_tokenizer(name_or_path: str):
     """A checkpoint's tokenizer: a local directory or an org/name hub id. A preset (random weights,
-    no tokenizer) and a bare name that is no directory are refused at once: transformers would try
-    the hub for the name, which offline retries for ~45 s before failing."""
+    no tokenizer) and a bare name that is no directory are refused at once (_checkpoint_name)."""
     from transformers import AutoTokenizer
 
     if name_or_path in PRESETS:
         raise ValueError(f"{name_or_path!r} is a preset: random weights and no tokenizer")
-    if "/" not in name_or_path and not os.path.isdir(name_or_path):
+    if not _checkpoint_name(name_or_path):
         raise ValueError(f"{name_or_path!r} is neither a local checkpoint directory nor an org/name hub id")
     try:
         return AutoTokenizer.from_pretrained(name_or_path)

@@ -97,6 +97,11 @@ class TrainConfig:
     seed: int = 0
 
     @property
+    def saves(self) -> bool:
+        """Checkpoints and the final model are written (into output_dir)."""
+        return bool(self.output_dir) and self.save
+
+    @property
     def compile_layers(self) -> bool:
         """Compiled layers whatever the device (the trainer adds oomb.auto.compiles()'s rule)."""
         return self.tp > 1 or self.float8 != "none" if self.compile is None else self.compile

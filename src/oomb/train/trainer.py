@@ -249,7 +249,7 @@ def _stop_requested(interrupt: Interrupt, distributed: bool, device: torch.devic
 def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, rank0: bool,
                        distributed: bool) -> None:
     """After a signal: a checkpoint of the last finished step, how to resume, exit 128 + signal."""
-    path = save(step) if cfg.output_dir and cfg.save and step > 0 else ""
+    path = save(step) if cfg.saves and step > 0 else ""
     if rank0:
         if path:
             argv = [a for i, a in enumerate(sys.argv) if a != "--resume" and (i == 0 or sys.argv[i - 1] != "--resume")
@@ -411,7 +411,6 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     interrupt = Interrupt(announce=rank0)
 
-    saves = bool(cfg.output_dir) and cfg.save
     saved = {}
 
     def save(step: int) -> str:
@@ -496,7 +495,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                            # the layers whose pages offload put on the host: what a soak run exercised
                            {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
             if bad >= cfg.max_bad_steps:
-                where = f"; the weights of step {step - bad} are in {save(step)}" if saves else ""
+                where = f"; the weights of step {step - bad} are in {save(step)}" if cfg.saves else ""
                 raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
                                       f"{step - bad + 1}-{step}){where}. Lower --lr (now {cfg.lr:g}), check the data "
                                       "of those steps, or raise --max-bad-steps")
@@ -505,7 +504,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                 eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
                 if rank0:
                     logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
-            if saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
+            if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
                 save(step)
             if _stop_requested(interrupt, distributed, device):
                 break
@@ -513,7 +512,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
         interrupt.restore()
     if interrupt.requested:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
-    if saves:
+    if cfg.saves:
         path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
         if rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
