@@ -200,8 +200,8 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
     fit, and what would go further."""
     least = frugal(base, seq_len, free)
 
-    def fit(engine, n):
-        return judge(model_config, n, batch, engine, machine, plan_args)[1]
+    def fit(engine, n, args=plan_args):
+        return judge(model_config, n, batch, engine, machine, args)[1]
 
     p, need = judge(model_config, seq_len, batch, least, machine, plan_args)
     longest = longest_context(lambda n: fit(least, n).fits, least.chunk_size)
@@ -234,8 +234,7 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
             smaller.append(("8-bit AdamW (--optimizer adamw8bit)", least,
                             {**plan_args, "optimizer_bytes_per_param": 2}))  # a byte per moment (block scales aside)
         for words, engine, args in smaller:
-            reach = longest_context(lambda n: judge(model_config, n, batch, engine, machine, args)[1].fits,
-                                    least.chunk_size)
+            reach = longest_context(lambda n: fit(engine, n, args).fits, least.chunk_size)
             if reach > longest:
                 msg += f" With {words} {reach:,} tokens would fit."
     return msg + ("" if gpu_bound else " More host memory holds more pages (offload 'auto' puts what the GPU "
