@@ -10,6 +10,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist (`-n N`) the workers share the cores: each takes its share of threads, and so
+# do the processes it starts (CLI runs, torchrun), instead of every one of them taking all.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
+    torch.set_num_threads(_threads)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():

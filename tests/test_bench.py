@@ -75,7 +75,7 @@ def test_bench_parallel_smoke(tmp_path):
     out = tmp_path / "parallel.jsonl"
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     for nproc, tp in ((1, 1), (2, 1), (2, 2)):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port", "29517",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
                os.path.join(ROOT, "bench", "bench_parallel.py"), "--device", "cpu", "--model", "tiny", "--tp", str(tp),
                "--lengths", "512", "--chunk-size", "128", "--page-size", "32", "--group-pages", "2", "--out", str(out)]
         subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
