@@ -341,7 +341,11 @@ def trainer_row(args, impl: str, length: int, env: dict) -> dict:
             return {**row, "ok": False, "error": f"timeout {args.timeout}s", **info}
         sys.stdout.write(done.stdout)
         metrics = os.path.join(out, "metrics.jsonl")
-        steps = logged_steps(open(metrics).read().splitlines()) if os.path.exists(metrics) else []
+        if os.path.exists(metrics):
+            with open(metrics) as f:
+                steps = logged_steps(f.read().splitlines())
+        else:
+            steps = []
     if done.returncode or len(steps) < args.train_steps:
         sys.stderr.write(done.stderr[-4000:])
         last = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]

@@ -36,12 +36,12 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 3]  # the resumed run appends its step 3
 
+
 def test_no_save_writes_only_the_metrics(tmp_path):
     train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=1, save=False))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["step_s"] > 0 for r in rows)
-
 
 
 def test_sparse_minimum_memory_settings_train(capsys):
