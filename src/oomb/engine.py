@@ -14,6 +14,7 @@ needs no stage 1: nothing after it reads its pages.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections import deque
@@ -29,6 +30,7 @@ from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.documents import Documents, check_positions, documents
 from .attention.sparse import Selection, select_pages
 from .config import EngineConfig
+from .grad_sums import GradSums
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
 from .memory.device import device_memory
 from .memory.kept import KeptAttention
@@ -160,7 +162,7 @@ class ChunkRecurrentEngine:
         rng_states = []
         lead = _HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
-        sums = _GradSums(self.summed_params(), self.config.param_grad_dtype)
+        sums = GradSums(self.summed_params(), self.config.param_grad_dtype)
         try:
             with torch.no_grad():
                 self._stage1(input_ids, bounds, rng_states, lead, passes)
@@ -172,7 +174,8 @@ class ChunkRecurrentEngine:
                     self._set_rng_state(rng_states[c])
                     total += self._stage2_chunk(c, input_ids[:, start:end], start,
                                                 shifted_targets(labels, start, end), denominator,
-                                                last=c == len(bounds) - 1)
+                                                last=c == len(bounds) - 1,
+                                                backward=sums.finishing if c == 0 else contextlib.nullcontext)
                 if c < len(bounds) - 1:
                     self.store.free_chunk(c)
                 self.kept.drop(c)
@@ -325,7 +328,9 @@ class ChunkRecurrentEngine:
         return h
 
     def _stage2_chunk(self, c: int, ids: torch.Tensor, start: int, targets: torch.Tensor,
-                      denominator: int, last: bool) -> torch.Tensor:
+                      denominator: int, last: bool, backward=contextlib.nullcontext) -> torch.Tensor:
+        """Chunk c's recompute and backward (stage 2); `backward`: a context around its backward
+        call through the layers (the step's last one: GradSums.finishing)."""
         a = self.adapter
         pages_per_chunk = self.chunk_size // self.page_size
         first_page = c * pages_per_chunk
@@ -358,7 +363,8 @@ class ChunkRecurrentEngine:
                 h.register_hook(functools.partial(ahead.backward_starts, groups, i))  # its pages' transfers
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator, self._fused_ce)
-            h.backward(grad_h)
+            with backward():
+                h.backward(grad_h)
         return ce_sum
 
     def _known_groups(self, c: int, i: int, n_pages: int) -> ScheduledGroups | None:
@@ -610,39 +616,6 @@ class ChunkRecurrentEngine:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.device)
-
-
-class _GradSums:
-    """Sums each listed parameter's chunk gradients in a wider dtype: a hook after every
-    accumulation into .grad moves it into the parameter's buffer (so the next chunk's gradient is
-    stored, not added, in the parameter's dtype); close() rounds the sums into .grad once.
-    A .grad the caller already had (an earlier micro-batch) starts the sum."""
-
-    def __init__(self, params: list[nn.Parameter], wide: torch.dtype | None) -> None:
-        self.sums: dict[nn.Parameter, torch.Tensor] = {}
-        self.params, self.wide = params, wide
-        for p in params:
-            if p.grad is not None:
-                self.sums[p] = p.grad.to(wide)
-                p.grad = None
-        self.hooks = [p.register_post_accumulate_grad_hook(self._move) for p in params]
-
-    def _move(self, p: nn.Parameter) -> None:
-        total = self.sums.get(p)
-        if total is None:
-            self.sums[p] = p.grad.to(self.wide)
-        else:
-            total.add_(p.grad)
-        p.grad = None
-
-    def close(self) -> None:
-        """The sums into .grad (also after an error: what was accumulated, as without sums), hooks off."""
-        for h in self.hooks:
-            h.remove()
-        for p in self.params:
-            total = self.sums.pop(p, None)
-            if total is not None:
-                p.grad = total.to(p.dtype)
 
 
 class _LookAhead:
