@@ -29,6 +29,7 @@ import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
 from oomb.train.config import TrainConfig  # noqa: E402
+from oomb.train.trainer import make_optimizer, run_engine_config  # noqa: E402
 
 
 def main() -> None:
@@ -36,7 +37,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=defaults.model)
     ap.add_argument("--lengths", default=str(defaults.seq_len))
-    ap.add_argument("--chunk-size", type=int, default=defaults.chunk_size)
+    ap.add_argument("--chunk-size", default=str(defaults.chunk_size),
+                    help="tokens, or auto (oomb train's choice for each length, oomb.auto)")
     ap.add_argument("--page-size", type=int, default=defaults.page_size)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impls", default="oomb,hf", help="oomb, oomb-reference, hf")
@@ -46,20 +48,27 @@ def main() -> None:
     model = load_model(args.model)
     model.config._attn_implementation = "sdpa"
     model.train()
-    engine = oomb.ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, backend="torch",
-                                       group_pages=defaults.group_pages, keep_attention=defaults.keep_attention,
-                                       param_grad_dtype=getattr(torch, defaults.param_grad_dtype))
+    optimizer = make_optimizer([p for p in model.parameters() if p.requires_grad], defaults)  # no state yet
+    engines = {}
+
+    def engine_for(length: int, reference: bool) -> oomb.ChunkRecurrentEngine:
+        """The engine oomb train builds for `length` (TrainConfig's defaults, --chunk-size,
+        --page-size); the reference: the same with every attention group materialised."""
+        if length not in engines:
+            cfg = TrainConfig(model=args.model, seq_len=length, chunk_size=args.chunk_size, page_size=args.page_size)
+            settings, _ = run_engine_config(cfg, model, torch.device("cpu"), optimizer)
+            engines[length] = (oomb.ChunkRecurrentEngine(model, settings), oomb.ChunkRecurrentEngine(
+                model, settings.replace(kernels=oomb.KernelOptions(cpu_flash=False))))
+        return engines[length][reference]
 
     def hf_step(ids):
         model(input_ids=ids, labels=ids).loss.backward()
 
     def oomb_step(ids):
-        engine.forward_backward(ids)
-
-    reference = oomb.ChunkRecurrentEngine(model, engine.config.replace(kernels=oomb.KernelOptions(cpu_flash=False)))
+        engine_for(ids.shape[1], False).forward_backward(ids)
 
     def reference_step(ids):
-        reference.forward_backward(ids)
+        engine_for(ids.shape[1], True).forward_backward(ids)
 
     impls = {"oomb": oomb_step, "oomb-reference": reference_step, "hf": hf_step}
     steps = {name: impls[name] for name in args.impls.split(",")}
@@ -79,7 +88,8 @@ def main() -> None:
                 model.zero_grad(set_to_none=True)
         for name in steps:
             row = {"bench": "cpu_step", "impl": name, "model": args.model, "seq_len": length,
-                   "chunk_size": args.chunk_size if name.startswith("oomb") else None, "threads": torch.get_num_threads(),
+                   "chunk_size": engine_for(length, False).chunk_size if name.startswith("oomb") else None,
+                   "threads": torch.get_num_threads(),
                    "step_s": round(min(times[name])[0], 3), "cpu_s": round(min(times[name])[1], 3),
                    "median_s": round(statistics.median(t for t, _ in times[name]), 3),
                    "all_s": [round(t, 3) for t, _ in times[name]], **info}

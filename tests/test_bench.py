@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -42,14 +43,21 @@ def test_bench_step_smoke(tmp_path):
     assert "stage1_s" not in rows[4]
 
 
-def test_bench_cpu_step_smoke(tmp_path):
+@pytest.mark.parametrize("chunk", ["256", "auto"])
+def test_bench_cpu_step_smoke(tmp_path, chunk):
+    """An explicit chunk, and by default (auto) the one oomb train chooses for the length."""
+    from oomb.auto import chunk_sizes
+    from oomb.train.config import TrainConfig
+
     out = tmp_path / "cpu_step.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_cpu_step.py"), "--impls", "oomb,oomb-reference,hf",
-           "--lengths", "512", "--chunk-size", "256", "--repeats", "1", "--out", str(out)]
+           "--lengths", "512", "--repeats", "1", "--out", str(out)] + (["--chunk-size", chunk] if chunk != "auto" else [])
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=300)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(r["impl"], r["chunk_size"]) for r in rows] == [("oomb", 256), ("oomb-reference", 256), ("hf", None)]
+    assert [r["impl"] for r in rows] == ["oomb", "oomb-reference", "hf"]
+    want = [int(chunk)] if chunk != "auto" else chunk_sizes(512, TrainConfig().page_size)
+    assert rows[0]["chunk_size"] == rows[1]["chunk_size"] and rows[0]["chunk_size"] in want and rows[2]["chunk_size"] is None
     assert all(r["step_s"] > 0 and r["cpu_s"] > 0 and len(r["all_s"]) == 1 for r in rows)
 
 
