@@ -23,9 +23,8 @@ import time
 
 import torch
 
-from oomb.memory import offload
-from oomb.memory.dma import batch_copier, row_copies
-from oomb.memory.dma import copy_rows
+from oomb.memory import dma as dma_module
+from oomb.memory.dma import batch_copier, copy_rows, row_copies
 
 
 def gbps(fn, n_bytes: int, reps: int = 20) -> float:
@@ -50,7 +49,7 @@ def gemm_ms(fn, reps: int) -> float:
 
 def gemms_beside_copies(programs: int, tokens: int = 4096, hidden: int = 3584, mlp: int = 18944) -> None:
     """Each GEMM of a 7B layer: ms alone and beside a gather, without and with an SM carveout."""
-    offload.COPY_PROGRAMS = programs
+    dma_module.COPY_PROGRAMS = programs
     dev = torch.device("cuda")
     t = lambda *shape: torch.randn(*shape, device=dev, dtype=torch.bfloat16)  # noqa: E731
     x, h, w_up, w_down, w_q = t(tokens, hidden), t(tokens, mlp), t(mlp, hidden), t(hidden, mlp), t(hidden, hidden)
@@ -100,7 +99,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=256)
     ap.add_argument("--host-rows", type=int, default=8192)
     ap.add_argument("--row-elems", type=int, default=4 * 128 * 128)
-    ap.add_argument("--programs", default=str(offload.COPY_PROGRAMS),
+    ap.add_argument("--programs", default=str(dma_module.COPY_PROGRAMS),
                     help="comma-separated program counts of the gather/scatter kernel to time")
     ap.add_argument("--gemm", action="store_true", help="time a 7B layer's GEMMs beside a gather (see above)")
     args = ap.parse_args()
@@ -110,7 +109,7 @@ def main() -> None:
             gemms_beside_copies(programs)
         return
     for programs, dtype in itertools.product(map(int, args.programs.split(",")), (torch.bfloat16, torch.float32)):
-        offload.COPY_PROGRAMS = programs
+        dma_module.COPY_PROGRAMS = programs
         host = torch.randn(args.host_rows, args.row_elems).to(dtype).pin_memory()
         dev = torch.empty(args.rows, args.row_elems, dtype=dtype, device="cuda")
         rows = torch.randperm(args.host_rows)[: args.rows].cuda()

@@ -12,6 +12,20 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+SCRIPTS = sorted(f for f in os.listdir(os.path.join(ROOT, "bench"))
+                 if f.endswith(".py") and "__main__" in open(os.path.join(ROOT, "bench", f)).read())
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_imports_and_parses_its_arguments(script):
+    """`--help` of each script: its imports and argument defaults still match the package (a
+    renamed module or a changed default fails here, not on the GPU machine)."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), "--help"], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
+
+
 def test_bench_step_smoke(tmp_path):
     out = tmp_path / "step.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
