@@ -704,7 +704,10 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
         "The longest context a step finished at with the process's GPU memory capped "
         "(`torch.cuda.set_per_process_memory_fraction`, `bench_step.py --gpu-cap-gib`) on an H200: a smaller "
         "GPU's memory, not its speed (its tokens/s are the H200's). oomb-default is what `oomb train` chooses "
-        "for that memory with no tuning flags; transformers + Liger runs with gradient checkpointing.",
+        "for that memory with no tuning flags; transformers + Liger runs with gradient checkpointing. A "
+        "transformers + Liger row is its limit (the next length ran out of memory); an oomb row is the longest "
+        "length its run asked for, and the plot's dotted lines are the longest the plan fits (the table's "
+        "plan's longest column).",
         "![Longest context against GPU memory](longest_context_vs_gpu.png)",
         table(["GPU GiB", "model", "implementation", "longest tokens", "s / step", "tok/s", "peak GPU GiB",
                "plan GiB", "peak ÷ plan", "host GiB", f"plan's longest (host {PLAN_HOST_GIB} GiB)", "settings",
@@ -784,14 +787,22 @@ def plot_gpu_sizes(rows: list[dict], path: str) -> None:
     lines = defaultdict(list)
     for r in rows:
         lines[gpu_label(r)].append((r["gpu_cap_gib"], r["seq_len"]))
+    planned = defaultdict(list)  # oomb train's choice: the longest context the plan fits at each cap
+    for r in rows:
+        if r["impl"] in DEFAULT_IMPLS:
+            planned[gpu_label(r)].append((r["gpu_cap_gib"], auto_longest(r)))
     for i, (label, points) in enumerate(sorted(lines.items())):
         points.sort()
         style = "--" if label.startswith("transformers") else "-"
         ax.plot([p[0] for p in points], [p[1] for p in points], style, marker="o", label=label, color=f"C{i}")
+        if label in planned:
+            points = sorted(planned[label])
+            ax.plot([p[0] for p in points], [p[1] for p in points], ":", marker="x", color=f"C{i}",
+                    label=f"{label}: the plan's longest (host {PLAN_HOST_GIB} GiB)")
     ax.set_xlabel("GPU memory (GiB, the process's cap on an H200)")
     ax.set_yscale("log", base=2)
-    ax.set_ylabel("longest context (tokens)")
-    ax.set_title("The longest context a training step reaches against GPU memory")
+    ax.set_ylabel("context (tokens)")
+    ax.set_title("Context of a training step against GPU memory: measured (o), planned (x)")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110, metadata={"Software": None})
