@@ -125,6 +125,7 @@ def test_pair_sum_off_cuda_is_torchs_add():
     a, b = torch.randn(5).bfloat16(), torch.randn(5).bfloat16()
     assert torch.equal(grad_sums.pair_sum(a, b, torch.float32), a.float() + b.float())
     assert torch.equal(grad_sums.pair_sum(a, b, torch.bfloat16), (a.float() + b.float()).bfloat16())
+    assert torch.equal(grad_sums.pair_sum(a, b, torch.float64, torch.float64), a.double() + b.double())
 
 
 @pytest.mark.gpu
@@ -135,6 +136,7 @@ def test_one_pass_add_kernel_in_bfloat16_on_the_gpu(out_dtype):
         a = torch.randn(n, device="cuda", generator=g).bfloat16()
         b = (torch.randn(n, device="cuda", generator=g) * 1e-3).bfloat16()
         assert torch.equal(grad_sums.pair_sum(a, b, out_dtype), (a.float() + b.float()).to(out_dtype))
+    assert torch.equal(grad_sums.pair_sum(a, b, torch.float64, torch.float64), a.double() + b.double())  # not in fp32
     total = torch.randn(n, device="cuda", generator=g)
     assert torch.equal(torch.add(total, b, out=b.clone()), (total + b.float()).bfloat16())
 

@@ -60,12 +60,14 @@ def _triton_sum():
 _kernel = None
 
 
-def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32(a) + fp32(b), rounded to `dtype` once: one pass over a, b and the result where both are
-    contiguous plain CUDA tensors of one shape (a Triton kernel), else torch's copy and add."""
+def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+             wide: torch.dtype = torch.float32) -> torch.Tensor:
+    """a + b added in `wide`, rounded to `dtype` once: one pass over a, b and the result where both
+    are contiguous plain CUDA tensors of one shape and `wide` is fp32 (a Triton kernel), else
+    torch's copy and add."""
     global _kernel
     if (a.is_cuda and type(a) is torch.Tensor and type(b) is torch.Tensor and a.shape == b.shape
-            and a.is_contiguous() and b.is_contiguous()):
+            and a.is_contiguous() and b.is_contiguous() and wide == torch.float32):
         if _kernel is None:
             _kernel = _triton_sum() or False
         if _kernel:
@@ -73,7 +75,7 @@ def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> torch.Tens
             with torch.cuda.device(a.device):
                 _kernel(a, b, out)
             return out
-    total = a.to(torch.float32)
+    total = a.to(wide)
     total.add_(b)
     return total.to(dtype)
 
@@ -116,13 +118,13 @@ class GradSums:
             if total is not None:  # bf16(sum + fp32(grad)), written over grad
                 self.done[p] = torch.add(total, grad, out=grad)
             elif first is not None:
-                self.done[p] = pair_sum(first, grad, grad.dtype)
+                self.done[p] = pair_sum(first, grad, grad.dtype, self.wide)
             else:
                 self.done[p] = grad  # its only gradient: the sum of one, exactly
         elif total is not None:
             self.sums[p] = total.add_(grad)
         elif first is not None:
-            self.sums[p] = pair_sum(first, grad, self.wide)
+            self.sums[p] = pair_sum(first, grad, self.wide, self.wide)
         elif plain:
             self.first[p] = grad
         else:  # a DTensor: its sum starts as a copy
