@@ -249,8 +249,11 @@ def _count_params_json(config_json: str) -> tuple[int, int]:
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from .models.quiet import import_model_code
+
     data = json.loads(config_json)
     config = AutoConfig.for_model(data.pop("model_type"), **data)
+    import_model_code()
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     params = dict(model.named_parameters())

@@ -10,6 +10,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen2Config
 
+from .models.quiet import import_model_code
 from .models.rope import apply_rope
 
 PRESETS = {
@@ -95,6 +96,7 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
     """A preset with random weights, or a transformers checkpoint (local directory); RoPE
     extended by rope_theta / rope_scaling (models/rope.py)."""
     cfg = load_config(name_or_path, rope_theta, rope_scaling, **overrides)
+    import_model_code()
     if name_or_path in PRESETS:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)

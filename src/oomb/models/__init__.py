@@ -3,15 +3,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from .base import DecoderAdapter
+from .gpt_oss import GptOssAdapter
+from .llama import LlamaAdapter
+from .qwen2 import Qwen2Adapter
+from .qwen3 import Qwen3Adapter
 from .quiet import import_model_code
-
-import_model_code()  # before the adapters import transformers' model code: see quiet.py
-
-from .base import DecoderAdapter  # noqa: E402
-from .gpt_oss import GptOssAdapter  # noqa: E402
-from .llama import LlamaAdapter  # noqa: E402
-from .qwen2 import Qwen2Adapter  # noqa: E402
-from .qwen3 import Qwen3Adapter  # noqa: E402
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
     name: cls for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, GptOssAdapter) for name in cls.model_classes
@@ -32,6 +29,7 @@ def adapter_class(config, name: str = "") -> type[DecoderAdapter]:
         archs = getattr(config, "architectures", None) or []
         name = next((a for a in archs if a in ADAPTERS), "")
         if not name:
+            import_model_code()  # the mapping imports the family's model code
             mapped = AutoModelForCausalLM._model_mapping.get(type(config), None)
             name = mapped.__name__ if mapped is not None else type(config).__name__
     if name not in ADAPTERS:

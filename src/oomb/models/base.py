@@ -7,6 +7,7 @@ transformers' own RoPE functions. One adapter per family, no monkey-patching.
 """
 from __future__ import annotations
 
+import importlib
 from typing import Callable, ClassVar
 
 import torch
@@ -21,8 +22,9 @@ class DecoderAdapter:
 
     #: transformers CausalLM class names this adapter serves
     model_classes: ClassVar[tuple[str, ...]] = ()
-    #: transformers' apply_rotary_pos_emb of the family: (q, k, cos, sin) -> (q, k)
-    apply_rope: ClassVar[Callable]
+    #: the transformers module holding the family's apply_rotary_pos_emb ((q, k, cos, sin) -> (q, k)),
+    #: imported when an adapter is made (its model exists: the family's model code is loaded)
+    rope_module: ClassVar[str]
     #: config.layer_types this adapter computes
     supported_layer_types: ClassVar[tuple[str, ...]] = ("full_attention",)
     #: whether torch.compile may fuse the layer pieces (compile())
@@ -38,6 +40,7 @@ class DecoderAdapter:
         self.norm = body.norm
         self.rotary_emb = body.rotary_emb
         self.lm_head = causal_lm.lm_head
+        self.apply_rope: Callable = importlib.import_module(self.rope_module).apply_rotary_pos_emb
         cfg = causal_lm.config
         self.config = cfg
         self.n_heads = cfg.num_attention_heads
@@ -160,7 +163,7 @@ class DecoderAdapter:
         q = self.norm_q(attn, attn.q_proj(x).view(shape)).transpose(1, 2)
         k = self.norm_k(attn, attn.k_proj(x).view(shape)).transpose(1, 2)
         v = attn.v_proj(x).view(shape).transpose(1, 2)
-        q, k = type(self).apply_rope(q, k, cos, sin)
+        q, k = self.apply_rope(q, k, cos, sin)
         return q, k, v
 
     def norm_q(self, attn: nn.Module, q: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,13 @@
 """GPT-OSS: sliding-window layers alternate with full ones, every head has a learned sink
 logit in its softmax denominator, and the MLP is a mixture of experts (transformers' own
 router and experts modules run it)."""
-from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
-
 from .base import DecoderAdapter
 
 
 class GptOssAdapter(DecoderAdapter):
     model_classes = ("GptOssForCausalLM",)
     compilable = False  # the experts' routing makes data-dependent shapes
-    apply_rope = staticmethod(apply_rotary_pos_emb)
+    rope_module = "transformers.models.gpt_oss.modeling_gpt_oss"
     supported_layer_types = ("full_attention", "sliding_attention")
     rope_types = ("yarn",)  # trained with YaRN: a larger factor extends it, another type would discard it
 

@@ -5,10 +5,12 @@ transformers' modeling_utils imports its quantizers, and the torchao one imports
 whenever it is installed, quantized model or not. torchao's import then logs a line for each
 of its CUDA extensions that does not load (a CPU machine, or a wheel built for another
 Python or torch), and its enum registrations log torch pytree deprecations: noise in every
-`import oomb` and `oomb train`, from a package the run never calls. oomb itself imports
-torchao only for what needs it (`--optimizer adamw8bit`, `--float8`) and liger_kernel only
-for `--liger`; this silences those two loggers while transformers' model code is first
-imported, and nothing else, nothing after.
+`oomb train`, from a package the run never calls. oomb itself imports torchao only for what
+needs it (`--optimizer adamw8bit`, `--float8`) and liger_kernel only for `--liger`; this
+silences those two loggers while transformers' model code is first imported, and nothing else,
+nothing after. `import oomb` imports no model code (its adapters import their family's RoPE
+when a model exists): what makes a model from a config or a checkpoint (presets.load_model,
+plan's parameter count, the adapter lookup) calls import_model_code() first.
 """
 from __future__ import annotations
 

@@ -1,12 +1,10 @@
 """Qwen3: RMSNorm on each query and key head before RoPE, explicit head_dim."""
-from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
-
 from .base import DecoderAdapter
 
 
 class Qwen3Adapter(DecoderAdapter):
     model_classes = ("Qwen3ForCausalLM",)
-    apply_rope = staticmethod(apply_rotary_pos_emb)
+    rope_module = "transformers.models.qwen3.modeling_qwen3"
 
     def norm_q(self, attn, q):
         return attn.q_norm(q)  # (B, C, H, D): normalised over D

@@ -8,6 +8,7 @@ import shlex
 import signal
 import sys
 import time
+import warnings
 from functools import partial
 
 import torch
@@ -60,7 +61,9 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
 
         lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
                                target_modules=LORA_TARGETS)
-        model = peft.get_peft_model(model, lora)
+        with warnings.catch_warnings():  # peft asks transformers 5's deprecated name, once per model
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+            model = peft.get_peft_model(model, lora)
     if cfg.float8 != "none":
         apply_float8(model, cfg.float8)  # after LoRA: a wrapped projection's base layer, not its adapters
     return model
