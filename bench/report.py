@@ -688,18 +688,19 @@ def gpu_label(r: dict) -> str:
 def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
     cmds, out = Commands(), []
     picked = select_gpu_sizes(rows)
-    for r in picked:
+    longest = [auto_longest(r) if r["impl"] in DEFAULT_IMPLS else None for r in picked]  # the plan's, per row
+    for r, reach in zip(picked, longest):
         planned = planned_peak(r) / 2**30 if r["impl"] in OFFLOAD else None
         out.append([f"{r['gpu_cap_gib']:g}", r.get("model", "qwen2.5-7b"), gpu_label(r), f"{r['seq_len']:,}",
                     f"{r['step_s']:.1f}", num(r["tok_s"]), peak(r), num(planned, ".2f"),
                     "—" if planned is None else f"{r['peak_gib'] / planned:.2f}", num(r.get("host_peak_gib"), ".1f"),
-                    f"{auto_longest(r):,}" if r["impl"] in DEFAULT_IMPLS else "—",
+                    "—" if reach is None else f"{reach:,}",
                     step_settings(r) if r["impl"] in OFFLOAD else "gradient checkpointing", commit(r), day(r),
                     cmds.ref(step_command(r))])
     if not out:
         return ("_No rows yet: `python bench/bench_step.py --impls oomb-default,oomb-sparse-default,liger "
                 "--lora-rank 16 --gpu-cap-gib 24 --lengths 128K,256K,512K,1M` (and 48, 80) measures them._")
-    plot_gpu_sizes(picked, os.path.join(out_dir, "longest_context_vs_gpu.png"))
+    plot_gpu_sizes(picked, longest, os.path.join(out_dir, "longest_context_vs_gpu.png"))
     return section("capped step", out, cmds,
         "The longest context a step finished at with the process's GPU memory capped "
         "(`torch.cuda.set_per_process_memory_fraction`, `bench_step.py --gpu-cap-gib`) on an H200: a smaller "
@@ -780,7 +781,9 @@ def packed_section(rows: list[dict]) -> str:
         "newest dense step of the same oomb implementation at that context.")
 
 
-def plot_gpu_sizes(rows: list[dict], path: str) -> None:
+def plot_gpu_sizes(rows: list[dict], longest: list[int | None], path: str) -> None:
+    """Each implementation's measured context against the cap; beside each oomb-default line, the
+    longest context the plan fits (`longest`, a row's auto_longest or None)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 5))
@@ -788,9 +791,9 @@ def plot_gpu_sizes(rows: list[dict], path: str) -> None:
     for r in rows:
         lines[gpu_label(r)].append((r["gpu_cap_gib"], r["seq_len"]))
     planned = defaultdict(list)  # oomb train's choice: the longest context the plan fits at each cap
-    for r in rows:
-        if r["impl"] in DEFAULT_IMPLS:
-            planned[gpu_label(r)].append((r["gpu_cap_gib"], auto_longest(r)))
+    for r, reach in zip(rows, longest):
+        if reach is not None:
+            planned[gpu_label(r)].append((r["gpu_cap_gib"], reach))
     for i, (label, points) in enumerate(sorted(lines.items())):
         points.sort()
         style = "--" if label.startswith("transformers") else "-"
