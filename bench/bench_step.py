@@ -268,20 +268,29 @@ def measure(args, length, step, reserve, reserve_s, model, info, weights_gib, co
     try:
         window = profile and args.profile_passes and tuple(map(int, args.profile_passes.split(":")))
         with profiled(profile, args.profile, args.impl, window or None) as prof:
-            clock = PassClock(cuda)
+            clocks = []  # one per timed step: the last one's passes go in the row
 
             def progress(done: int, total: int) -> None:
-                clock(done, total)
+                clocks[-1](done, total)
                 if done == total or done % max(1, total // 20) == 0:  # a long step shows it is moving
                     print(f"[{args.impl} {length:,}] pass {done}/{total}, {time.perf_counter() - t0:.0f} s",
                           file=sys.stderr, flush=True)
                 if window:
                     prof.step()
-            loss = float(step(ids, progress=progress, position_ids=positions))
-        if cuda:
-            torch.cuda.synchronize()
-        dt = time.perf_counter() - t0
+            times = []
+            for _ in range(args.repeats):  # the same tokens each time, every gradient freed between
+                t1 = time.perf_counter()
+                clocks.append(PassClock(cuda))
+                loss = float(step(ids, progress=progress, position_ids=positions))
+                if cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - t1)
+                if len(times) < args.repeats:
+                    for p in model.parameters():
+                        p.grad = None
+        dt = statistics.median(times)
         row.update(ok=True, step_s=round(dt, 2), tok_s=round(length / dt, 1), loss=round(loss, 4),
+                   **({"step_times": [round(t, 3) for t in times]} if args.repeats > 1 else {}),
                    peak_gib=round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                    # what the allocator held at most (the cap of --gpu-cap-gib bounds this)
                    peak_reserved_gib=round(torch.cuda.max_memory_reserved() / 2**30, 2) if cuda else None,
@@ -294,7 +303,7 @@ def measure(args, length, step, reserve, reserve_s, model, info, weights_gib, co
                    **meter.summary())
         if hasattr(step, "engine"):
             row.update(engine_fields(step.engine()))
-            row.update(clock.summary())
+            row.update(clocks[-1].summary())
         if default:  # what oomb.auto chose, in the row's own fields
             e = step.engine().config
             row.update(chunk_size=e.chunk_size, kv_grad_dtype="bf16" if e.kv_grad_dtype == torch.bfloat16
@@ -405,6 +414,8 @@ def main() -> None:
                          "history) and print those live at its peak by the lines that made them; JSON into FILE")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run (tests use it with --model tiny)")
     ap.add_argument("--timeout", type=float, default=None, help="seconds per implementation")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed steps per length (the row's step_s is their median; each is in step_times)")
     ap.add_argument("--train-steps", type=int, default=3,
                     help="oomb-train, oomb-sparse-train: the trainer's --steps (the first is not timed)")
     ap.add_argument("--impl", help=argparse.SUPPRESS)  # worker mode
@@ -435,7 +446,7 @@ def main() -> None:
                "--out", args.out, "--kv-grad-dtype", args.kv_grad_dtype, "--profile", args.profile,
                "--param-grad-dtype", args.param_grad_dtype, "--profile-passes", args.profile_passes,
                "--device", args.device, "--float8", args.float8, "--group-pages", str(args.group_pages),
-               "--memory-trace", args.memory_trace]
+               "--memory-trace", args.memory_trace, "--repeats", str(args.repeats)]
         if args.checkpoint_layers:
             cmd.append("--checkpoint-layers")
         if args.oomb_liger:

@@ -226,6 +226,8 @@ def step_command(r: dict) -> str:
         parts.append(f"--gpu-cap-gib {r['gpu_cap_gib']:g}")
     if r.get("train_steps", 3) != 3:
         parts.append(f"--train-steps {r['train_steps']}")
+    if len(r.get("step_times", ())) > 1:
+        parts.append(f"--repeats {len(r['step_times'])}")
     return " ".join(parts)
 
 

@@ -247,13 +247,16 @@ def test_bench_step_default_is_what_train_chooses(tmp_path):
     (trainer.run_engine_config): the rows record that choice; its loss is the same step's."""
     out = tmp_path / "step.jsonl"
     cmd = [sys.executable, os.path.join(ROOT, "bench", "bench_step.py"), "--device", "cpu", "--model", "tiny",
-           "--impls", "oomb-default,oomb", "--lengths", "1K,4K", "--chunk-size", "256", "--out", str(out)]
+           "--impls", "oomb-default,oomb", "--lengths", "1K,4K", "--chunk-size", "256", "--repeats", "2",
+           "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src")}
     subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=600)
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["impl"], r["seq_len"]) for r in rows] == [("oomb-default", 1024), ("oomb-default", 4096),
                                                         ("oomb", 1024), ("oomb", 4096)]
     assert all(r["ok"] for r in rows)
+    # --repeats: each timed step recorded, the row's time their median (of two: the mean)
+    assert all(len(r["step_times"]) == 2 and abs(r["step_s"] - sum(r["step_times"]) / 2) <= 0.006 for r in rows)
     # a CPU run plans in host memory: the largest chunk that leaves two (at most half the sequence)
     assert [r["chunk_size"] for r in rows[:2]] == [512, 2048]
     assert all(r["auto"].startswith("auto configuration: chunk") and r["kv_grad_dtype"] == "fp32"

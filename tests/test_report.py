@@ -221,6 +221,8 @@ def test_commands_are_rebuilt_from_the_settings_a_row_records():
         "python bench/bench_step.py --impls oomb-sparse-auto --lengths 1M --kv-grad-dtype bf16 --oomb-compile "
         "--keep-attention fit --kept-host-gib 170 --group-pages 128")
     assert report.step_command(step("liger", 32 * K, 4.5, 40.8)) == "python bench/bench_step.py --impls liger --lengths 32K"
+    assert report.step_command(step("liger", 32 * K, 4.5, 40.8, step_times=[4.6, 4.5, 4.4])) == (
+        "python bench/bench_step.py --impls liger --lengths 32K --repeats 3")
     assert report.attention_command(sample_attention()[-1]) == (
         "python bench/bench_attention.py --keys 1048576 --sparse 64 --no-sdpa")
 
