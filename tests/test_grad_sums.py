@@ -108,6 +108,7 @@ def test_a_second_gradient_in_the_last_backward_is_an_error():
     (torch.float16, torch.float16, torch.float32),  # a first and a second gradient: the sum starts
     (torch.float16, torch.float16, torch.float16),  # two chunks: first + last, rounded
     (torch.float32, torch.float16, torch.float16),  # a sum + the last gradient, rounded
+    (torch.float32, torch.float16, torch.float32),  # a sum + a middle gradient
 ])
 def test_one_pass_add_kernel_equals_torch(n, a_dtype, b_dtype, out_dtype):
     """The kernel through Triton's interpreter on CPU (float16: the interpreter's bfloat16 is raw
@@ -116,16 +117,29 @@ def test_one_pass_add_kernel_equals_torch(n, a_dtype, b_dtype, out_dtype):
     g = torch.Generator().manual_seed(n)
     a = (torch.randn(n, generator=g) * 3).to(a_dtype)
     b = (torch.randn(n, generator=g) * 1e-3).to(b_dtype)
+    want = (a.float() + b.float()).to(out_dtype)
     out = torch.empty(n, dtype=out_dtype)
     launch(a, b, out)
-    assert torch.equal(out, (a.float() + b.float()).to(out_dtype))
+    assert torch.equal(out, want)
+    for which in (0, 1):  # written over an input of out's dtype: a middle gradient's add, the last one's
+        inputs = [a, b]
+        if inputs[which].dtype == out_dtype:
+            inputs[which] = into = inputs[which].clone()
+            launch(*inputs, into)
+            assert torch.equal(into, want), which
 
 
-def test_pair_sum_off_cuda_is_torchs_add():
-    a, b = torch.randn(5).bfloat16(), torch.randn(5).bfloat16()
+def test_adds_off_cuda_are_torchs():
+    a, b, total = torch.randn(5).bfloat16(), torch.randn(5).bfloat16(), torch.randn(5)
     assert torch.equal(grad_sums.pair_sum(a, b, torch.float32), a.float() + b.float())
     assert torch.equal(grad_sums.pair_sum(a, b, torch.bfloat16), (a.float() + b.float()).bfloat16())
     assert torch.equal(grad_sums.pair_sum(a, b, torch.float64, torch.float64), a.double() + b.double())
+    want = total + b.float()
+    assert torch.equal(grad_sums.add_into(total.clone(), b, out=b.clone()), want.bfloat16())
+    into = total.clone()
+    assert grad_sums.add_into(into, b, out=into) is into and torch.equal(into, want)
+    wide = total.double()  # float64 sums add in float64
+    assert torch.equal(grad_sums.add_into(wide, b, out=wide.clone()), wide + b.double())
 
 
 @pytest.mark.gpu
@@ -138,7 +152,11 @@ def test_one_pass_add_kernel_in_bfloat16_on_the_gpu(out_dtype):
         assert torch.equal(grad_sums.pair_sum(a, b, out_dtype), (a.float() + b.float()).to(out_dtype))
     assert torch.equal(grad_sums.pair_sum(a, b, torch.float64, torch.float64), a.double() + b.double())  # not in fp32
     total = torch.randn(n, device="cuda", generator=g)
-    assert torch.equal(torch.add(total, b, out=b.clone()), (total + b.float()).bfloat16())
+    want = total + b.float()
+    last = b.clone()
+    assert grad_sums.add_into(total, last, out=last) is last and torch.equal(last, want.bfloat16())
+    grad_sums.add_into(total, b, out=total)  # a middle gradient: into the sum
+    assert torch.equal(total, want)
 
 
 @pytest.mark.gpu

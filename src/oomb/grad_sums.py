@@ -9,9 +9,11 @@ else in the step is), so every byte they move is step time: with n chunks, a par
   first gradient       held as it is (its bf16 bytes, no copy)
   second gradient      fp32(first) + fp32(second) -> fp32 sum: one pass (8 B read+written,
                        `pair_sum`) where a copy to fp32 and an add took 16 B
-  middle gradients     sum += fp32(gradient): 10 B (torch's add_)
+  middle gradients     sum += fp32(gradient): 10 B
   last gradient        bf16(sum + fp32(gradient)) written over the gradient: one pass (8 B),
                        where an add and a rounding took 16 B
+
+each through one Triton kernel on CUDA (`add_into`).
 
 30 B a parameter at 4 chunks instead of 46 (a 7B at 32K tokens: about 120 GB less traffic).
 The additions are the same, in the same order, rounded once: the sums are bitwise those of
@@ -60,24 +62,33 @@ def _triton_sum():
 _kernel = None
 
 
-def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
-             wide: torch.dtype = torch.float32) -> torch.Tensor:
-    """a + b added in `wide`, rounded to `dtype` once: one pass over a, b and the result where both
-    are contiguous plain CUDA tensors of one shape and `wide` is fp32 (a Triton kernel), else
-    torch's copy and add."""
+def add_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out = a + b, each read in its own dtype, added in fp32 (float64 where a or out is) and
+    rounded once to out's dtype; out may be a or b. One pass over the three (a Triton kernel) where
+    they are contiguous plain CUDA tensors of one shape and at most 32 bits: torch's add of mixed
+    dtypes takes its unvectorised kernel (about 2 TB/s on the H200 where a plain copy streams at
+    4). Elsewhere torch's ops, the same arithmetic."""
     global _kernel
-    if (a.is_cuda and type(a) is torch.Tensor and type(b) is torch.Tensor and a.shape == b.shape
-            and a.is_contiguous() and b.is_contiguous() and wide == torch.float32):
+    if (a.is_cuda and all(type(t) is torch.Tensor and t.is_contiguous() and t.shape == out.shape
+                          and t.dtype != torch.float64 for t in (a, b, out))):
         if _kernel is None:
             _kernel = _triton_sum() or False
         if _kernel:
-            out = torch.empty(a.shape, dtype=dtype, device=a.device)
             with torch.cuda.device(a.device):
                 _kernel(a, b, out)
             return out
-    total = a.to(wide)
-    total.add_(b)
-    return total.to(dtype)
+    if a.dtype in (torch.float32, torch.float64):  # computed in a's dtype, written in out's (out may be a or b)
+        return torch.add(a, b, out=out)
+    return out.copy_(a.to(torch.promote_types(out.dtype, torch.float32)).add_(b))
+
+
+def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
+             wide: torch.dtype = torch.float32) -> torch.Tensor:
+    """a + b added in `wide`, rounded to `dtype` once, into a new tensor (add_into where `wide` is
+    fp32)."""
+    if wide != torch.float32:
+        return a.to(wide).add_(b).to(dtype)
+    return add_into(a, b, torch.empty(a.shape, dtype=dtype, device=a.device))
 
 
 class GradSums:
@@ -116,13 +127,13 @@ class GradSums:
         plain = type(grad) is torch.Tensor and (total is None or type(total) is torch.Tensor)
         if self.finishing_now and plain:
             if total is not None:  # bf16(sum + fp32(grad)), written over grad
-                self.done[p] = torch.add(total, grad, out=grad)
+                self.done[p] = add_into(total, grad, out=grad)
             elif first is not None:
                 self.done[p] = pair_sum(first, grad, grad.dtype, self.wide)
             else:
                 self.done[p] = grad  # its only gradient: the sum of one, exactly
         elif total is not None:
-            self.sums[p] = total.add_(grad)
+            self.sums[p] = add_into(total, grad, out=total) if plain else total.add_(grad)
         elif first is not None:
             self.sums[p] = pair_sum(first, grad, self.wide, self.wide)
         elif plain:
