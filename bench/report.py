@@ -400,8 +400,9 @@ def dense_step_section(rows: list[dict]) -> str:
 
 def select_trainer(rows: list[dict]) -> list[tuple[dict, dict | None]]:
     """The newest `oomb train` row (oomb-train, oomb-sparse-train) of each kind, model, LoRA rank
-    and context, with the newest engine-only step of the same choice there (oomb-default,
-    oomb-sparse-default: the same model whole, on the whole GPU), or None."""
+    and context, with the engine-only step of the same choice there (oomb-default,
+    oomb-sparse-default: the same model whole, on the whole GPU): the newest of the trainer's own
+    commit, else the newest of any; or None."""
     runs = [r for r in rows if shipped(r, TRAINER_IMPLS.__contains__) and r.get("ok")]
     pairs = []
     for r in sorted(newest_each(runs, lambda r: (r["impl"], r["model"], r.get("lora_rank", 0), r["seq_len"])),
@@ -409,7 +410,8 @@ def select_trainer(rows: list[dict]) -> list[tuple[dict, dict | None]]:
         engine = [e for e in step_rows(rows) if e["impl"] == TRAINER_IMPLS[r["impl"]] and e["seq_len"] == r["seq_len"]
                   and e.get("model", "qwen2.5-7b") == r["model"] and e.get("layers") == r["layers"]
                   and e.get("lora_rank", 0) == r.get("lora_rank", 0)]
-        pairs.append((r, newest(engine) if engine else None))
+        same = [e for e in engine if e.get("commit") == r.get("commit")]
+        pairs.append((r, newest(same or engine) if engine else None))
     return pairs
 
 
@@ -429,9 +431,9 @@ def trainer_section(rows: list[dict]) -> str:
     return section("trainer", out, cmds,
         "`oomb train` itself, with no flags but the model, the context and top-k: each optimizer step as its "
         "metrics.jsonl logs it (the batch, forward and backward, gradient clipping, AdamW's step), the first "
-        "(which compiles and warms up) apart from the median of the rest; beside it the newest engine-only "
-        "step of the same automatic choice (forward and backward alone, the dense-step and top-k tables' "
-        "oomb-default rows).",
+        "(which compiles and warms up) apart from the median of the rest; beside it the engine-only step of "
+        "the same automatic choice (forward and backward alone, the dense-step and top-k tables' oomb-default "
+        "rows): the newest of the trainer's own commit, else the newest of any.",
         table(["context", "model", "attention", "steps", "first step s", "step s", "tok/s", "peak GiB",
                "engine-only step s", "its commit", "engine-only ÷ trainer", "commit", "date", "commands"], out))
 

@@ -324,3 +324,9 @@ def test_trainer_rows_pair_with_the_engine_only_step_of_the_same_choice():
     assert "python bench/bench_step.py --impls oomb-train --lengths 64K --train-steps 4" in report.trainer_section(
         [trainer, engine])
     assert report.trainer_section([engine]).startswith("_No rows yet")
+    # a newer engine-only step of another commit: the trainer's own commit's stays its pair
+    later = step("oomb-default", 64 * K, 11.9, 100.0, commit="e5f6a7b", date="2026-12-05T01:00:00+00:00")
+    [(_, beside)] = report.select_trainer([trainer, engine, later])
+    assert beside["step_s"] == 12.2
+    [(_, beside)] = report.select_trainer([trainer, later])
+    assert beside["step_s"] == 11.9
