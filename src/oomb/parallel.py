@@ -18,15 +18,30 @@ Launch: `torchrun --nproc-per-node N -m oomb.cli train --tp T ...` (README).
 from __future__ import annotations
 
 import os
+import sys
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from .models import adapter_for
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+# torch.distributed.tensor (DTensor and its ops' registry: about 1 s of `import oomb` on a 2-core
+# CPU) is imported by what shards a model; until then no tensor can be a DTensor.
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def is_dtensor(t) -> bool:
+    kind = _dtensor_type()
+    return kind is not None and isinstance(t, kind)
 
 
 def world_size() -> int:
@@ -53,6 +68,8 @@ def init_distributed(tp: int = 1) -> DeviceMesh:
     if not dist.is_initialized():
         # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank)
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
     return init_device_mesh("cuda" if cuda else "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
 
 
@@ -70,6 +87,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                             ("self_attn.o_proj", "row"), ("mlp.gate_proj", "col"), ("mlp.up_proj", "col"),
                             ("mlp.down_proj", "row")):
             plan.update(_linear_plan(layer, name, style))
+        from torch.distributed.tensor.parallel import parallelize_module
+
         parallelize_module(layer, tp_mesh, plan)
 
 
@@ -81,6 +100,8 @@ def _linear_plan(layer: nn.Module, name: str, style: str) -> dict:
     input); row-parallel W shards its inputs, so A shards its inputs (its partial outputs are
     all-reduced) and B stays whole. Every adapter weight then gets its exact gradient.
     """
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     parallel = ColwiseParallel if style == "col" else RowwiseParallel
     try:
         module = layer.get_submodule(name)
@@ -133,16 +154,16 @@ def all_reduce_gradients(model: nn.Module, dp_group=None, bucket_bytes: int = 25
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor; any other tensor as it is."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if is_dtensor(t) else t
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, tp_group=None) -> float:
     """torch.nn.utils.clip_grad_norm_ for a mix of tensor-parallel (sharded DTensor) and
     replicated gradients: shards' squares are summed over the TP group, replicas counted once."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads):
+    if not any(is_dtensor(g) for g in grads):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    sharded = [g for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
+    sharded = [g for g in grads if is_dtensor(g) and any(pl.is_shard() for pl in g.placements)]
     replicated = [g for g in grads if not any(g is s for s in sharded)]
     device = local_tensor(grads[0]).device
     sq_sharded = sum((local_tensor(g).float().pow(2).sum() for g in sharded), torch.zeros((), device=device))

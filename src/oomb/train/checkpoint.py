@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from ..parallel import is_dtensor
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -33,7 +34,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 #: config fields a resume must share with the checkpoint (the data position and the parameter set)
@@ -55,7 +56,7 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     final = Path(output_dir) / f"step-{step:06d}"
     tmp = final.with_name(final.name + ".tmp")
     state = trainable_state(model)
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
+    sharded = any(is_dtensor(p) for p in model.parameters())
     if write:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -166,7 +167,7 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
     final = Path(output_dir) / "final"
     tmp = final.with_name(final.name + ".tmp")
     state = None
-    if any(isinstance(p, DTensor) for p in model.parameters()):
+    if any(is_dtensor(p) for p in model.parameters()):
         state = {}
         for name, tensor in model.state_dict().items():
             whole = _full(tensor)
@@ -238,7 +239,7 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     if not (path / "trainer.json").is_file():
         raise ValueError(f"--resume {str(path)!r} is not a checkpoint directory (no trainer.json in it)")
     params = dict(model.named_parameters())
-    sharded = any(isinstance(p, DTensor) for p in params.values())
+    sharded = any(is_dtensor(p) for p in params.values())
     zero = _is_zero(optimizer)
     per_rank = sharded or zero
     # This rank's files: under TP or ZeRO-1 each rank reads only its own optimizer share.
@@ -254,7 +255,9 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     with torch.no_grad():
         for name, tensor in state.items():
             p = params[name]
-            if isinstance(p, DTensor):  # take this rank's shard of the whole tensor
+            if is_dtensor(p):  # take this rank's shard of the whole tensor
+                from torch.distributed.tensor import distribute_tensor
+
                 tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
             p.copy_(tensor)
     file = path / _optimizer_file(per_rank)
