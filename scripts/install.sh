@@ -11,10 +11,34 @@
 # (a Python 3.11 venv has ensurepip's 65.5, without wheel, below torch's own requirement), a new
 # enough setuptools from another site-packages directory of this Python (a --system-site-packages
 # venv sees the system's).
+#
+# Run again, it returns at once when this checkout is already installed (editable) with every
+# requirement of pyproject.toml (and --dev's) met; a changed requirement or entry point, another
+# checkout or version, or Python < 3.11 (no tomllib) go through pip as above.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
+
+installed='
+import importlib.metadata as md, json, os, sys, tomllib
+from packaging.requirements import Requirement
+project = tomllib.load(open("pyproject.toml", "rb"))["project"]
+dist = md.distribution("oomb")
+url = json.loads(dist.read_text("direct_url.json") or "{}")
+here = "file://" + os.path.realpath(".")
+if (url.get("url") != here or not url.get("dir_info", {}).get("editable") or dist.version != project["version"]
+        or {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"} != project["scripts"]):
+    sys.exit(1)
+wanted = project["dependencies"] + (project["optional-dependencies"]["dev"] if sys.argv[1] else [])
+for req in map(Requirement, wanted):
+    if req.marker is None or req.marker.evaluate():
+        if not req.specifier.contains(md.version(req.name), prereleases=True):
+            sys.exit(1)'
+if python3 -c "$installed" "$extras" 2>/dev/null; then
+    echo "install.sh: oomb is installed from this checkout with every requirement met; nothing to do"
+    exit 0
+fi
 python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0"
 install() { python3 -m pip install -q "$@" -e ".${extras}"; }
 
@@ -37,14 +61,18 @@ print(max(found)[1])'
 
 if python3 -c "$can_build" 2>/dev/null; then
     install --no-build-isolation || install  # nothing to fetch
-elif ! install; then
+elif ! isolated=$(install 2>&1); then
     site_dir=$(python3 -c "$other_setuptools") || {
+        echo "$isolated" >&2
         echo "install.sh: pip could not fetch setuptools for the build (offline?), and this Python has no" \
              "setuptools >= 70.1 to build with: run 'python3 -m pip install -U setuptools' once online" >&2
         exit 1
     }
     # First on the path, its setuptools (and its metadata, which pip checks torch's requirement on)
     # shadows the venv's own for this command only.
-    echo "install.sh: building with the setuptools in $site_dir" >&2
+    echo "install.sh: pip's isolated build could not fetch setuptools (offline?); building with the" \
+         "setuptools in $site_dir" >&2
     PYTHONPATH="$site_dir" install --no-build-isolation
+else
+    [ -z "$isolated" ] || echo "$isolated"
 fi
