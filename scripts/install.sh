@@ -13,34 +13,47 @@
 # venv sees the system's).
 #
 # Run again, it returns at once when this checkout is already installed (editable) with every
-# requirement of pyproject.toml (and --dev's) met; a changed requirement or entry point, another
-# checkout or version, or Python < 3.11 (no tomllib) go through pip as above.
+# requirement of pyproject.toml (and --dev's) met, and installs only oomb itself (pip --no-deps)
+# when those are met but it is not (another checkout, version or entry point). Python < 3.11 (no
+# tomllib) goes through pip's resolver every time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extras=""
 [ "${1:-}" = "--dev" ] && extras="[dev]"
 
+# exit 0: oomb is installed from this checkout and every requirement is met; 2: the requirements
+# are met, oomb is not (or another checkout's); 1: a requirement is missing or too old
 installed='
 import importlib.metadata as md, json, os, sys, tomllib
 from packaging.requirements import Requirement
 project = tomllib.load(open("pyproject.toml", "rb"))["project"]
-dist = md.distribution("oomb")
-url = json.loads(dist.read_text("direct_url.json") or "{}")
-here = "file://" + os.path.realpath(".")
-if (url.get("url") != here or not url.get("dir_info", {}).get("editable") or dist.version != project["version"]
-        or {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"} != project["scripts"]):
-    sys.exit(1)
 wanted = project["dependencies"] + (project["optional-dependencies"]["dev"] if sys.argv[1] else [])
 for req in map(Requirement, wanted):
     if req.marker is None or req.marker.evaluate():
         if not req.specifier.contains(md.version(req.name), prereleases=True):
-            sys.exit(1)'
-if python3 -c "$installed" "$extras" 2>/dev/null; then
+            sys.exit(1)
+try:
+    dist = md.distribution("oomb")
+except md.PackageNotFoundError:
+    sys.exit(2)
+url = json.loads(dist.read_text("direct_url.json") or "{}")
+here = "file://" + os.path.realpath(".")
+sys.exit(2 if url.get("url") != here or not url.get("dir_info", {}).get("editable")
+         or dist.version != project["version"]
+         or {e.name: e.value for e in dist.entry_points if e.group == "console_scripts"} != project["scripts"] else 0)'
+state=0
+python3 -c "$installed" "$extras" 2>/dev/null || state=$?
+if [ $state = 0 ]; then
     echo "install.sh: oomb is installed from this checkout with every requirement met; nothing to do"
     exit 0
 fi
-python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0"
-install() { python3 -m pip install -q "$@" -e ".${extras}"; }
+no_deps=""
+if [ $state = 2 ]; then
+    no_deps="--no-deps"  # what oomb needs is there: no resolver run
+else
+    python3 -c "import torch" 2>/dev/null || python3 -m pip install -q "torch==2.13.0"
+fi
+install() { python3 -m pip install -q $no_deps "$@" -e ".${extras}"; }
 
 can_build='
 import importlib.util, sys, setuptools
