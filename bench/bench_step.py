@@ -5,14 +5,16 @@ kernels when importable. Each implementation runs in its own process (clean peak
 counters), one after the other in the same command.
 
     python bench/bench_step.py --impls oomb,liger,hf --lengths 32K,64K,128K,256K
+    python bench/bench_step.py --impls oomb-default,liger --lengths 32K,64K --repeats 3   # medians of 3 steps
     python bench/bench_step.py --impls oomb-sparse-auto --lengths 64K,256K,1M --kv-grad-dtype bf16
     python bench/bench_step.py --model gpt-oss-20b --lora-rank 16 --impls oomb-sparse-auto --lengths 128K,1M
     python bench/bench_step.py --impls oomb,liger --oomb-liger --lengths 64K   # oomb with Liger's norm/MLP
     python bench/bench_step.py --impls oomb,liger --oomb-compile --lengths 64K  # oomb's layers via torch.compile
     python bench/bench_step.py --impls oomb,liger --oomb-compile --float8 tensorwise --lengths 64K  # both float8
 
-Prints and appends one JSON line per (impl, length) to --out: step seconds, tokens/s, peak GPU
-memory, and the oomb memory plan for comparison.
+Prints and appends one JSON line per (impl, length) to --out: step seconds (with --repeats, the
+median of that many steps of the same tokens, each in step_times), tokens/s, peak GPU memory, and
+the oomb memory plan for comparison.
 
 `oomb-train` and `oomb-sparse-train` time `oomb train` itself instead, with no flags but the
 model, the length, --lora-rank (and top-k 64): --train-steps optimizer steps, each as its
