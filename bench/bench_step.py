@@ -367,6 +367,8 @@ def trainer_row(args, impl: str, length: int, env: dict) -> dict:
              if line.startswith("oomb train: auto configuration")]
     return {**row, "ok": True, "step_s": step_s, "tok_s": round(length / step_s, 1), "trainer_step_s": times,
             "loss": steps[-1]["loss"], "peak_gib": max(r["peak_mem_gib"] for r in steps),
+            "peak_reserved_gib": max((r.get("peak_reserved_gib") for r in steps if r.get("peak_reserved_gib")),
+                                     default=None),
             "host_peak_gib": max(r.get("host_rss_gib", 0.0) for r in steps),
             "host_layers": steps[-1].get("host_layers"), **({"auto": chose[0]} if chose else {}), **info}
 

@@ -64,9 +64,12 @@ class StepLogger:
         print(f"step {step:>5}/{self.total_steps}  loss {loss:.4f}  {tokens / seconds:,.0f} tok/s  "
               f"lr {lr:.2e}  grad_norm {grad_norm:.3f}  mem {mem:.2f} GiB  "
               f"elapsed {elapsed:.0f}s  eta {eta:.0f}s", file=self.stream, flush=True)
+        # CUDA: what the caching allocator held at most too (a step fails when that reaches the GPU's size)
+        reserved = ({"peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)}
+                    if self.device.type == "cuda" else {})
         self._record({"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
                       "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
-                      "peak_mem_gib": round(mem, 3), **(memory or {})})
+                      "peak_mem_gib": round(mem, 3), **reserved, **(memory or {})})
 
     def log_skipped(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
         """A step whose loss or gradient norm was not finite: no optimizer step (metrics.jsonl keeps
