@@ -34,13 +34,8 @@ if TYPE_CHECKING:
 # CPU) is imported by what shards a model; until then no tensor can be a DTensor.
 
 
-def _dtensor_type() -> type | None:
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
-
-
 def is_dtensor(t) -> bool:
-    kind = _dtensor_type()
+    kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
     return kind is not None and isinstance(t, kind)
 
 
