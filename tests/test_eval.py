@@ -182,11 +182,12 @@ def test_per_token_predictions_equal_transformers_argmax():
     assert abs(float(r.loss) - ce[:, 39:].mean().item()) < 1e-5
 
 
-def sparse_forward_probabilities(model, ids, selections, chunk, page, block, dense):
+def sparse_forward_probabilities(model, ids, selections, chunk, page, block, dense, logits=False):
     """Brute force: the model run layer by layer over the whole sequence with the engine's top-k
     pattern as an explicit mask (the selected pages of each query block and its own chunk,
     causal; dense layers causal only), and at each layer the exact causal softmax of its queries
-    over every key, (B, H, T, T): the distribution selection recall compares top-k with."""
+    over every key, (B, H, T, T): the distribution selection recall compares top-k with.
+    logits: the forward's logits (B, T, V) instead."""
     from oomb.models import adapter_for
     a = adapter_for(model)
     b, t = ids.shape
@@ -217,6 +218,8 @@ def sparse_forward_probabilities(model, ids, selections, chunk, page, block, den
             o = torch.einsum("bkgts,bksd->bkgtd", s.masked_fill(~allowed[:, :, None], float("-inf")).softmax(-1),
                              v.double()).reshape(q.shape).to(q.dtype)
             h = a.finish_layer(layer, h, o)
+        if logits:
+            return a.lm_head(a.norm(h)).float()
     return probs
 
 

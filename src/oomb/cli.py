@@ -140,7 +140,7 @@ def lora_params(config, rank: int, tp: int = 1) -> int:
     return config.num_hidden_layers * per_layer
 
 
-EVAL_TASKS = ("loss", "position-loss", "retrieval", "selection-recall")
+EVAL_TASKS = ("loss", "position-loss", "retrieval", "kv-recall", "selection-recall")
 
 
 def eval_batches(args, vocab: int):
@@ -196,6 +196,8 @@ def cmd_eval(args) -> None:
         elif args.task == "selection-recall":
             result = tasks.selection_recall(engine, eval_batches(args, vocab), args.seq_len, args.recall_chunks,
                                             args.recall_blocks, args.seed, bar)
+        elif args.task == "kv-recall":
+            result = kv_recall(args, engine, vocab, bar)
         else:
             haystack = None if args.data == "copy" else load_tokens(args.data, vocab, max(args.lengths),
                                                                      args.data_dtype)
@@ -217,6 +219,24 @@ def cmd_eval(args) -> None:
         print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
 
 
+def kv_recall(args, engine, vocab: int, bar) -> dict:
+    """`--task kv-recall`: recall pairs in equal numbers per distance bucket, in the held-out text."""
+    from .eval.tasks import kv_recall as run
+    from .train.data import load_tokens
+    from .train.recall import RecallTask, default_edges, evaluation_sequences
+
+    task = RecallTask(args.recall_keys, args.recall_values, args.recall_first_id)
+    edges = ([parse_tokens(x) for x in args.distance_buckets.split(",")] if args.distance_buckets
+             else default_edges(args.seq_len))
+    haystack = None
+    if args.data != "copy":
+        haystack = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
+        task.check_text(haystack, vocab, args.data)
+    sequences = evaluation_sequences(haystack, task, vocab, args.seq_len, args.chunk_size, edges, args.queries,
+                                     args.recall_pairs, args.seed)
+    return run(engine, sequences, task, edges, args.batch, bar)
+
+
 def _print_eval(r: dict) -> None:
     head = f"{r['task']}: {r['model']} on {r['data']}, {r['attention']} attention"
     if r["task"] == "loss":
@@ -230,6 +250,15 @@ def _print_eval(r: dict) -> None:
         print("  length \\ depth " + "".join(f"{d:>7g}" for d in r["depths"]))
         for n, row in zip(r["lengths"], r["accuracy"]):
             print(f"  {n:>14,} " + "".join(f"{a:>7.2f}" for a in row))
+    elif r["task"] == "kv-recall":
+        print(f"{head}: accuracy {r['accuracy']:.3f} over {r['queries']:,} queries (chance {r['chance']:.4f}); "
+              "by needle-to-query distance:")
+        for b in r["buckets"]:
+            print(f"  {b['bucket']:>12}  {b['queries']:>6,} queries  accuracy {b['accuracy']:.3f} "
+                  f"[{b['ci_low']:.3f}, {b['ci_high']:.3f}]  answer loss {b['answer_loss']:.4f}")
+        for x in r.get("hit_rate", []):
+            heads = " ".join(f"{h:.2f}" for h in x["heads"])
+            print(f"  layer {x['layer']:>3}  needle-page hit rate {x['rate']:.3f} (KV heads {heads})")
     else:
         print(f"{head}: recall {r['recall']:.4f}, of the earlier pages' mass {r['earlier_recall']:.4f}")
         for x in r["layers"]:
@@ -306,7 +335,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--json", action="store_true")
     p_plan.set_defaults(func=cmd_plan)
 
-    p_eval = sub.add_parser("eval", help="evaluate a model: loss, loss by position, needle retrieval, top-k recall")
+    p_eval = sub.add_parser("eval", help="evaluate a model: loss, loss by position, needle retrieval, key-value "
+                                         "recall by distance, top-k recall")
     p_eval.add_argument("--task", default="loss", help=f"one of {', '.join(EVAL_TASKS)} (default: loss)")
     p_eval.add_argument("--model", default="tiny")
     p_eval.add_argument("--data", default="copy",
@@ -338,6 +368,15 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--needle-template", default=DEFAULT_TEMPLATE,
                         help="retrieval: the needle, with {key} then {value}; the query is its text up to {value}")
     p_eval.add_argument("--tokenizer", default="", help="retrieval: 'bytes' or a checkpoint (default: the model's)")
+    p_eval.add_argument("--recall-keys", type=int, default=256, help="kv-recall: key ids (as oomb train's)")
+    p_eval.add_argument("--recall-values", type=int, default=256, help="kv-recall: value ids (chance: 1 / values)")
+    p_eval.add_argument("--recall-first-id", type=int, default=None,
+                        help="kv-recall: the first key id (default: the top of the vocabulary, as oomb train's)")
+    p_eval.add_argument("--recall-pairs", type=int, default=64, help="kv-recall: pairs in each sequence")
+    p_eval.add_argument("--queries", type=int, default=256, help="kv-recall: queries in each distance bucket")
+    p_eval.add_argument("--distance-buckets", default="",
+                        help="kv-recall: needle-to-query distance edges, e.g. 0,4K,16K,32K,64K (default: 0, 4K, "
+                             "16K, 32K, then doubling, up to seq_len); pairs within one chunk are a bucket of their own")
     p_eval.add_argument("--recall-chunks", type=int, default=8, help="selection-recall: chunks sampled per sequence")
     p_eval.add_argument("--recall-blocks", type=int, default=4, help="selection-recall: query blocks per chunk")
     p_eval.add_argument("--device", default="auto")

@@ -6,6 +6,10 @@ sequence: pages, offload and top-k sparse attention as in training, so they run 
                       uses its context keeps lowering it further along
     retrieval         key-value needles at given depths of held-out text, queried at the end: a
                       hit when every value token is the argmax prediction (teacher-forced)
+    kv-recall         single-token key-value pairs (train/recall.py) at equal numbers in each
+                      needle-to-query distance bucket: accuracy with its 95 % interval and the
+                      answer's loss by bucket; top-k reads also the needle-page hit rate (is the
+                      needle's page among those the query's block attends), per layer and KV head
     selection-recall  top-k models: the share of the exact softmax attention mass that falls on
                       what top-k attends (its selected pages and the chunk itself), per layer
 
@@ -22,6 +26,7 @@ import torch
 from ..engine import ChunkRecurrentEngine
 from ..loss import IGNORE_INDEX
 from ..train.needles import DEFAULT_TEMPLATE, hits, make_needle, with_needles
+from ..train.recall import RecallTask, Tally, bucket_of, queries
 
 Batches = Iterable[tuple[torch.Tensor, ...]]  # (input_ids, labels) or packed (input_ids, labels, position_ids)
 
@@ -131,6 +136,89 @@ def retrieval_cell(haystack: np.ndarray | None, codec, template: str, length: in
         seqs.append(tokens)
         answers.append(spans[0])
     return seqs, answers
+
+
+class NeedleHits:
+    """An engine probe (ChunkRecurrentEngine.Probe): for each query of a batch's recall pairs, per
+    layer and KV head, whether the page holding the needle's value (the token the query must read)
+    is visible to the query's block: among its selected pages, or in the query's own chunk."""
+
+    def __init__(self, rows: np.ndarray, a: np.ndarray, b: np.ndarray, buckets: np.ndarray, chunk_size: int,
+                 page_size: int, block_queries: int) -> None:
+        self.rows, self.b, self.buckets = rows, b, buckets
+        self.page = (a + 1) // page_size
+        self.chunk_size, self.page_size, self.block_queries = chunk_size, page_size, block_queries
+        self.seen: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}  # layer: [(bucket, (n, Hkv) visible)]
+
+    def __call__(self, c, i, q, k, selection, earlier_keys) -> None:
+        if selection is None:
+            return
+        mine = np.flatnonzero(self.b // self.chunk_size == c)
+        if not len(mine):
+            return
+        picks = selection.logical().long().cpu().numpy()  # (B, Hkv, n_blocks, budget)
+        block = (self.b[mine] - c * self.chunk_size) // self.block_queries
+        chosen = picks[self.rows[mine], :, block]  # (n, Hkv, budget)
+        own = self.page[mine] >= c * self.chunk_size // self.page_size
+        visible = (chosen == self.page[mine, None, None]).any(-1) | own[:, None]
+        self.seen.setdefault(i, []).append((self.buckets[mine], visible))
+
+
+def kv_recall(engine: ChunkRecurrentEngine, sequences: list[tuple[np.ndarray, np.ndarray]], task: RecallTask,
+              edges: list[int], batch: int = 1, progress=None) -> dict:
+    """Accuracy (argmax of the query's next token == the value), its Wilson 95 % interval and the
+    answer's mean cross entropy by distance bucket (train/recall.py: bucket_names) over the recall
+    pairs of `sequences` (train/recall.py: evaluation_sequences); with top-k, the needle-page hit
+    rate of the pairs in different chunks, per layer and KV head and per bucket."""
+    vocab = engine.adapter.vocab_size
+    tally = Tally(edges)
+    seen: dict[int, list] = {}
+    sparse = engine.sparse is not None
+    for first in range(0, len(sequences), batch):
+        ids = np.stack([s[0] for s in sequences[first : first + batch]])
+        labels = np.stack([s[1] for s in sequences[first : first + batch]])
+        rows, a, b = queries(ids, labels, task, vocab)
+        buckets = bucket_of(a, b, engine.chunk_size, edges)
+        probe = NeedleHits(rows, a, b, buckets, engine.chunk_size, engine.page_size,
+                           engine.sparse.block_queries) if sparse else None
+        r = engine.evaluate(torch.from_numpy(ids), torch.from_numpy(labels), progress=progress, per_token=True,
+                            probe=probe)
+        tally.add(buckets, *answers(r, ids, rows, b))
+        if probe is not None:
+            for i, parts in probe.seen.items():
+                seen.setdefault(i, []).extend(parts)
+    if not tally.count.sum():
+        raise ValueError("the sequences hold no recall pair")
+    result = {"task": "kv-recall", "seq_len": int(sequences[0][0].shape[0]), "edges": edges,
+              "buckets": tally.rows(), "chance": 1 / task.values, "queries": int(tally.count.sum()),
+              "accuracy": float(tally.found.sum() / tally.count.sum())}
+    if sparse:
+        result["hit_rate"] = hit_rates(seen, len(tally.names))
+    return result
+
+
+def answers(r, ids: np.ndarray, rows: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of an evaluate(per_token=True) result: whether each query's value was the argmax
+    prediction, and its cross entropy."""
+    pred = r.predictions.cpu().numpy()[rows, b + 1]
+    return pred == ids[rows, b + 1], r.token_losses.cpu().numpy()[rows, b + 1]
+
+
+def hit_rates(seen: dict[int, list], n_buckets: int) -> list[dict]:
+    """Per layer: the needle-page hit rate of the queries in different chunks (buckets >= 1) per KV
+    head and over the heads, and over the heads per bucket."""
+    layers = []
+    for i in sorted(seen):
+        buckets = np.concatenate([bk for bk, _ in seen[i]])
+        visible = np.concatenate([v for _, v in seen[i]]).astype(np.float64)  # (n, Hkv)
+        far = buckets >= 1
+        if not far.any():
+            continue
+        layers.append({"layer": i, "queries": int(far.sum()), "rate": float(visible[far].mean()),
+                       "heads": visible[far].mean(0).tolist(),
+                       "by_bucket": [float(visible[buckets == j].mean()) if (buckets == j).any() else None
+                                     for j in range(n_buckets)]})
+    return layers
 
 
 class RecallProbe:

@@ -61,6 +61,12 @@ class TrainConfig:
     needle_rate: float = 0.0
     needles_per_sequence: int = 4
     needle_template: str = DEFAULT_TEMPLATE
+    # associative recall (train/recall.py): this many single-token key-value pairs in every sequence, keys and
+    # values from ids reserved at the top of the vocabulary (the text must not use them; preset byte-kv-30m)
+    recall_pairs: int = 0
+    recall_keys: int = 256  # distinct key ids
+    recall_values: int = 256  # distinct value ids (chance: 1 / recall_values)
+    recall_first_id: int | None = None  # the first key id (values follow the keys); None: the top of the vocabulary
     tokenizer: str = ""  # encodes needles: 'bytes' (byte-level models) or a checkpoint; default: the model's own
     loss_last: int = 0  # > 0: only the last this many tokens of each sequence carry loss (a long prompt, then the answer)
     liger: bool = False  # Liger's Triton RMSNorm and SwiGLU in the model (CUDA, pip install liger-kernel)
@@ -125,7 +131,7 @@ class TrainConfig:
                   ("log_every", self.log_every, 1), ("max_bad_steps", self.max_bad_steps, 1),
                   ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
                   ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),
-                  ("sparse_budget", self.sparse_budget, 0),
+                  ("sparse_budget", self.sparse_budget, 0), ("recall_pairs", self.recall_pairs, 0),
                   ("eval_every", self.eval_every, 0), ("eval_batches", self.eval_batches, 1)]
         for name, value, low in checks:
             if value < low:
@@ -136,6 +142,15 @@ class TrainConfig:
         if self.needle_rate < 0 or self.needle_rate > 1:
             raise ValueError(f"needle_rate={self.needle_rate} must be between 0 and 1 (the share of sequences with "
                              "needles)")
+        if self.recall_pairs and self.needle_rate:
+            raise ValueError(f"recall_pairs={self.recall_pairs} and needle_rate={self.needle_rate}: a run trains one "
+                             "retrieval task; drop one of them")
+        if self.recall_pairs and self.data == "copy":
+            raise ValueError(f"recall_pairs={self.recall_pairs} puts recall pairs into text; the copy task has none: "
+                             "pass --data with a token file (oomb corpus writes one)")
+        if self.recall_pairs and 4 * self.recall_pairs > self.seq_len // 2:
+            raise ValueError(f"recall_pairs={self.recall_pairs} take {4 * self.recall_pairs} tokens, more than half "
+                             f"of seq_len={self.seq_len}: use fewer pairs")
         if not 0 <= self.loss_last < self.seq_len:
             raise ValueError(f"loss_last={self.loss_last} must be >= 0 and < seq_len={self.seq_len} (0: every token "
                              "carries loss)")

@@ -20,6 +20,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from .recall import RecallMix
+
 BIN_DTYPES = ("uint16", "uint32", "int32")
 
 
@@ -115,7 +117,10 @@ def make_data(source: str, vocab_size: int, seq_len: int, batch: int, seed: int 
     if source == "copy":
         stream = copy_task(vocab_size, seq_len, batch, seed)
     else:
-        stream = token_file(load_tokens(source, vocab_size, seq_len, dtype), seq_len, batch, seed)
+        tokens = load_tokens(source, vocab_size, seq_len, dtype)
+        if isinstance(needles, RecallMix):
+            needles.task.check_text(tokens, vocab_size, source)
+        stream = token_file(tokens, seq_len, batch, seed)
     return stream if needles is None else needles.mix(stream, seed)
 
 

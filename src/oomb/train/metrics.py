@@ -77,10 +77,13 @@ class StepLogger:
         self._record({"step": step, "skipped": True, "loss": str(loss), "grad_norm": str(grad_norm),
                       "bad_in_a_row": in_a_row})
 
-    def log_eval(self, step: int, loss: float, tokens: int, seconds: float) -> None:
+    def log_eval(self, step: int, loss: float, tokens: int, seconds: float, recall: dict | None = None) -> None:
+        """recall: the held-out recall pairs' accuracy by distance bucket (train/recall.py)."""
+        by = "  recall " + ", ".join(f"{k} {v:.2f}" for k, v in recall.items()) if recall else ""
         print(f"eval {step:>5}/{self.total_steps}  loss {loss:.4f}  ppl {math.exp(min(loss, 700)):.2f}  "
-              f"({tokens:,} tokens, {seconds:.1f}s)", file=self.stream, flush=True)
-        self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3)})
+              f"({tokens:,} tokens, {seconds:.1f}s){by}", file=self.stream, flush=True)
+        self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3),
+                      **({"eval_recall": recall} if recall else {})})
 
     def _record(self, row: dict) -> None:
         if self.metrics:

@@ -11,6 +11,7 @@ import time
 import warnings
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,6 +31,7 @@ from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
+from .recall import RecallMix, RecallTask, Tally, bucket_of, default_edges, queries
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -284,10 +286,16 @@ def kept_attention(engine: ChunkRecurrentEngine) -> str:
     return f"kept attention ({len(kept.layers)} of {engine.adapter.n_layers - 1} layers, {kept.where}), "
 
 
-def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[torch.Tensor, ...]]:
+def recall_task(cfg) -> RecallTask:
+    return RecallTask(cfg.recall_keys, cfg.recall_values, cfg.recall_first_id)
+
+
+def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int, recall: RecallMix | None = None
+                    ) -> list[tuple[torch.Tensor, ...]]:
     """The evaluation set: `eval_batches` batches drawn once, so every evaluation sees the
     same tokens and their losses compare (each data-parallel rank its own share; a document
-    file's sequences in an order of the rank's own)."""
+    file's sequences in an order of the rank's own). recall: the held-out sequences carry recall
+    pairs too (their own draw)."""
     source = cfg.eval_data or cfg.data
     if cfg.eval_data and source != "copy" and data_layout(source, cfg.pack) == "windows":
         # a held-out token file: its first windows, each rank its own
@@ -297,9 +305,10 @@ def heldout_batches(cfg: TrainConfig, vocab: int, dp_rank: int) -> list[tuple[to
         if (len(data) - 1) // cfg.seq_len < need:
             raise ValueError(f"--eval-data {source} holds {(len(data) - 1) // cfg.seq_len} windows of seq_len="
                              f"{cfg.seq_len:,}; {need} are needed (eval_batches x batch x data-parallel ranks)")
-        return list(windows(data[first * cfg.seq_len :], cfg.seq_len, cfg.batch, cfg.eval_batches * cfg.batch))
+        batches = windows(data[first * cfg.seq_len :], cfg.seq_len, cfg.batch, cfg.eval_batches * cfg.batch)
+        return list(recall.mix(batches, 7_919 + dp_rank) if recall is not None else batches)
     data = make_data(source, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 7_919 + 100_003 * dp_rank,
-                     dtype=cfg.data_dtype, pack=cfg.pack, drop_long=cfg.drop_long)
+                     dtype=cfg.data_dtype, needles=recall, pack=cfg.pack, drop_long=cfg.drop_long)
     return [next(data) for _ in range(cfg.eval_batches)]
 
 
@@ -311,21 +320,35 @@ def positions(batch: tuple) -> dict:
 
 @torch.no_grad()
 def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list, dp_group,
-             device: torch.device) -> tuple[float, int]:
+             device: torch.device, recall: RecallTask | None = None) -> tuple[float, int, dict]:
     """Mean loss per predicted token over `batches` (and every data-parallel rank's), in eval
-    mode; the page pool is the training step's."""
+    mode; the page pool is the training step's. recall: also the recall pairs' accuracy by
+    distance bucket (train/recall.py), {bucket name: accuracy}."""
+    from ..eval.tasks import answers
+
     model.eval()
+    vocab, seq_len = engine.adapter.vocab_size, batches[0][0].shape[1]
+    tally = Tally(default_edges(seq_len)) if recall is not None else None
     try:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, predicted tokens
         for batch in batches:
-            result = engine.evaluate(batch[0], batch[1], **positions(batch))
+            result = engine.evaluate(batch[0], batch[1], per_token=tally is not None, **positions(batch))
             total += torch.stack([result.loss.double() * result.num_tokens,
                                   torch.tensor(float(result.num_tokens), dtype=torch.float64, device=device)])
+            if tally is not None:
+                ids = batch[0].numpy()
+                rows, a, b = queries(ids, batch[1].numpy(), recall, vocab)
+                tally.add(bucket_of(a, b, engine.chunk_size, default_edges(seq_len)), *answers(result, ids, rows, b))
     finally:
         model.train()
     if dist.is_initialized():
         dist.all_reduce(total, group=dp_group)
-    return float(total[0] / total[1]), int(total[1])
+        if tally is not None:
+            counts = torch.from_numpy(np.stack([tally.found, tally.count])).to(device)
+            dist.all_reduce(counts, group=dp_group)
+            tally.found, tally.count = (x.cpu().numpy() for x in counts)
+    accuracy = {} if tally is None else {r["bucket"]: r["accuracy"] for r in tally.rows() if r["queries"]}
+    return float(total[0] / total[1]), int(total[1]), accuracy
 
 
 def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]:
@@ -375,9 +398,11 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     if cfg.needle_rate:
         needles = NeedleMix(codec_for(cfg.tokenizer, cfg.model, vocab), cfg.needle_template, cfg.needle_rate,
                             cfg.needles_per_sequence)
+    if cfg.recall_pairs:
+        needles = RecallMix(recall_task(cfg), cfg.recall_pairs, vocab)
     data = make_data(cfg.data, vocab, cfg.seq_len, cfg.batch, seed=cfg.seed + 100_003 * dp_rank,
                      dtype=cfg.data_dtype, needles=needles, pack=cfg.pack, drop_long=cfg.drop_long)
-    held_out = heldout_batches(cfg, vocab, dp_rank) if cfg.eval_every else []
+    held_out = heldout_batches(cfg, vocab, dp_rank, needles if cfg.recall_pairs else None) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler, cfg) if cfg.resume else 0
@@ -404,6 +429,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
               f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
               f"{rope_summary(model.config) if cfg.rope_theta or cfg.rope_scaling else ''}"
               f"{f'needles in {cfg.needle_rate:.0%} of sequences, ' if cfg.needle_rate else ''}"
+              f"{f'{cfg.recall_pairs} recall pairs a sequence, ' if cfg.recall_pairs else ''}"
               f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
               f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
               f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
@@ -504,9 +530,10 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                                       "of those steps, or raise --max-bad-steps")
             if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
                 t0 = time.perf_counter()
-                eval_loss, eval_tokens = evaluate(engine, model, held_out, dp_group, device)
+                eval_loss, eval_tokens, recall = evaluate(engine, model, held_out, dp_group, device,
+                                                          recall_task(cfg) if cfg.recall_pairs else None)
                 if rank0:
-                    logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
+                    logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0, recall)
             if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
                 save(step)
             if _stop_requested(interrupt, distributed, device):
