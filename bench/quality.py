@@ -1,25 +1,29 @@
-"""Does a model trained with oomb learn to use its context, and does top-k sparse attention hurt?
+"""Does top-k sparse training keep long-range retrieval? Associative recall in real text, dense
+training as the positive control, top-k measured against it.
 
-The same small byte-level model (the `byte-lm-30m` preset: Qwen2 shape, 31.7M parameters) trained
-from scratch on the source code of installed packages (`oomb corpus`), with identical data order,
-seed and steps, in several arms:
+The task (src/oomb/train/recall.py): single-token keys and values from ids reserved above the
+bytes of the `byte-kv-30m` preset (byte-lm-30m's shape: Qwen2, 10 layers, head_dim 128), hidden in
+the source code of installed packages (`oomb corpus`), each queried once later in the sequence;
+the value after a query is chance (1/256) without attending to its needle. Every arm is trained
+with `oomb train`'s own trainer and read with `oomb eval`'s kv-recall task.
 
-    dense-64k            dense attention, 64K-token sequences
-    topk64-64k           top-k sparse attention, 64 pages (8K tokens) per query block
-    topk16-64k           top-k, 16 pages
-    base-8k              dense at 8K (8 sequences a step: the same tokens per step), the base of:
-    ext-dense            base-8k extended to 64K by a larger RoPE base (--rope-theta), dense
-    ext-topk64           the same extension trained with top-k 64
-    ext-tail-dense       extension with loss on the last 4K tokens only (a long prompt, then the answer)
-    ext-tail-topk64      the same with top-k 64
-    ext-tail-topk64-d2   the same with the last two layers dense (the published fix)
-and, when named in --arms: dense-64k-s1 and topk64-64k-s1 (another seed: the run-to-run spread),
-topk64-minmax-64k (pages scored by their keys' min/max, Quest, instead of their mean), topk64-d01-64k
-(the first two layers dense), topk128-64k (a larger budget) and topk64-sinks4-64k (4 sink pages).
+    base-4k          dense at 4K from scratch (16 sequences a step, 32 pairs each): learns the
+                     recall mechanism and the language where sequences are cheap
+and from its final model, 64K sequences with 256 pairs each, the same data order:
+    dense-64k        dense attention (the positive control)
+    topk64-64k       top-k sparse attention, 64 pages (8K tokens) per query block
+    topk16-64k       top-k, 16 pages
+    topk16-d01-64k   top-k 16 with layers 0 and 1 dense
+    neg-64k          top-k with a budget of one page, the sink: sees its own chunk and the first
+                     page only (the negative control: must fall to chance beyond its chunk)
+and, when named in --arms (or 'all'): dense-64k-s1 and topk64-64k-s1 (another data order: the
+run-to-run spread).
 
-Every arm's final model is then evaluated on held-out packages, with the attention it was trained
-with and with the other (a top-k model read densely, a dense one read with top-k 64): loss by
-position, key-value needle retrieval by length and depth, and top-k selection recall per layer.
+Every arm's final model is read with kv-recall (256 queries in each distance bucket: same chunk,
+then 0-4K, 4-16K, 16-32K and 32-64K between chunks, 95 % Wilson intervals; top-k reads also give
+the needle-page hit rate per layer and KV head) with its own attention and with the other (a
+top-k model read densely, a dense one read with top-k 64: the training-free setting), and its
+held-out loss.
 
     python bench/quality.py                          # the study (GPU), resumable, arms in parallel
     python bench/quality.py --smoke                  # every arm and evaluation, tiny, on CPU (CI)
@@ -27,8 +31,8 @@ position, key-value needle retrieval by length and depth, and top-k selection re
 
 Resumable at two levels: an arm whose rows are already in the results file is skipped, and an arm
 whose training was cut short resumes from its last checkpoint under --work (the same machine).
-Rows go to --results (default bench/results/quality.jsonl): each training log line and each
-evaluation, tagged with the arm, commit, date and hardware.
+Rows go to --results (default bench/results/quality.jsonl), tagged "study": "recall": each
+training log line and each evaluation, with the arm, commit, date and hardware.
 """
 from __future__ import annotations
 
@@ -45,39 +49,42 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "quality.jsonl"
 DOC = HERE.parent / "docs" / "quality.md"
+STUDY = "recall"
 
 
 @dataclass
 class Study:
     """The settings every arm shares (the full study; `smoke()` shrinks them)."""
 
-    model: str = "byte-lm-30m"
+    model: str = "byte-kv-30m"
+    rope_theta: float = 5e6  # a base that serves 64K ("Base of RoPE bounds context length")
+    recall_keys: int = 256
+    recall_values: int = 256
     seq_len: int = 65536
-    base_len: int = 8192
+    base_len: int = 4096
+    base_batch: int = 16
     chunk_size: int = 4096
     page_size: int = 128
-    steps: int = 160  # from-scratch arms (tokens: steps x seq_len); what one H200 call of 10 minutes holds
-    ext_steps: int = 40  # extension arms, from base-8k's final model
-    lr: float = 1e-3
-    ext_lr: float = 3e-4
-    warmup: int = 15
-    ext_warmup: int = 5
+    base_steps: int = 1500
+    steps: int = 200  # the 64K arms, from base-4k's final model
+    base_lr: float = 1e-3
+    lr: float = 3e-4
+    base_warmup: int = 50
+    warmup: int = 10
     weight_decay: float = 0.1
-    ext_theta: float = 200_000.0  # base-8k trains with the preset's 10,000
-    tail: int = 4096  # the tail arms' loss-carrying tokens
-    needle_rate: float = 0.1
-    needles_per_sequence: int = 16
+    base_pairs: int = 32  # recall pairs per training sequence
+    pairs: int = 256
     seed: int = 0
     save_every: int = 50
-    eval_every: int = 50
+    base_eval_every: int = 100
+    eval_every: int = 25
+    eval_batches: int = 2
     corpus_bytes: int = 300 * 2**20
     # evaluation
-    eval_windows: int = 8
-    lengths: tuple = (16384, 65536)
-    depths: tuple = (0.0, 0.25, 0.5, 0.75, 1.0)
-    samples: int = 4
-    recall_chunks: int = 4
-    recall_blocks: int = 4
+    edges: tuple = (0, 4096, 16384, 32768, 65536)
+    queries: int = 256  # per distance bucket
+    eval_pairs: int = 64  # per evaluation sequence
+    loss_windows: int = 4  # held-out windows of seq_len for the loss
     device: str = "auto"
     backend: str = "auto"
     budget_divisor: int = 1  # the smoke test's short sequences divide the arms' top-k budgets
@@ -88,10 +95,11 @@ class Study:
 
 
 def smoke() -> Study:
-    return Study(model="tiny", seq_len=1024, base_len=256, chunk_size=256, page_size=64, steps=2, ext_steps=2,
-                 warmup=1, ext_warmup=1, tail=128, needle_rate=0.5, needles_per_sequence=2, save_every=1, eval_every=2,
-                 corpus_bytes=2 * 2**20, eval_windows=1, lengths=(512, 1024), depths=(0.0, 1.0), samples=1,
-                 recall_chunks=1, recall_blocks=1, device="cpu", backend="torch", budget_divisor=16)
+    return Study(model="tiny-kv", recall_keys=32, recall_values=32, seq_len=1024, base_len=256, base_batch=2,
+                 chunk_size=256, page_size=64, base_steps=2, steps=2, base_warmup=1, warmup=1, base_pairs=4, pairs=8,
+                 save_every=1, base_eval_every=2, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20,
+                 edges=(0, 256, 1024), queries=4, eval_pairs=8, loss_windows=1, device="cpu", backend="torch",
+                 budget_divisor=16)
 
 
 @dataclass
@@ -100,57 +108,38 @@ class Arm:
     what: str
     budget: int = 0  # top-k pages (0: dense)
     dense_layers: str = ""
-    base: bool = False  # trained at base_len
-    extends: str = ""  # starts from this arm's final model, with the extended RoPE base
-    tail: bool = False  # loss on the last `tail` tokens only
-    seed: int = 0  # added to the study's seed (weights and data order): a replicate
-    representative: str = "mean"  # how top-k scores a page (TopKPages.representative)
-    sinks: int = 1  # pages every query block attends (TopKPages.sink_pages)
-    extra: bool = False  # a replicate or ablation: run when named in --arms (or --arms all)
+    base: bool = False  # trained at base_len from scratch; the others start from base-4k's final model
+    seed: int = 0  # added to the study's seed (data order): a replicate
+    extra: bool = False  # a replicate: run when named in --arms (or --arms all)
 
     @property
     def attention(self) -> str:
-        return label(self.budget, self.representative, self.sinks)
+        return label(self.budget, self.dense_layers)
 
-    def reads(self, budget: int) -> tuple[str, int]:
-        """(representative, sink pages) of a top-k read at `budget`: the arm's own at its budget,
-        plain top-k (mean, one sink page) otherwise."""
-        return (self.representative, self.sinks) if budget == self.budget else ("mean", 1)
+    @property
+    def extends(self) -> str:
+        return "" if self.base else "base-4k"
 
 
-def label(budget: int, representative: str = "mean", sinks: int = 1) -> str:
-    """How rows name an attention: dense, top-64, top-64-minmax, top-64-sinks4."""
+def label(budget: int, dense_layers: str = "") -> str:
+    """How rows name an attention: dense, top-64, top-16 (layers 0,1 dense)."""
     if not budget:
         return "dense"
-    return (f"top-{budget}" + ("" if representative == "mean" else f"-{representative}")
-            + ("" if sinks == 1 else f"-sinks{sinks}"))
+    return f"top-{budget}" + (f" (layers {dense_layers} dense)" if dense_layers else "")
 
 
 ARMS = [
-    Arm("dense-64k", "dense, from scratch"),
-    Arm("topk64-64k", "top-k 64 pages, from scratch", budget=64),
-    Arm("topk16-64k", "top-k 16 pages, from scratch", budget=16),
-    Arm("base-8k", "dense at 8K, from scratch (the extension arms' base)", base=True),
-    Arm("ext-dense", "8K -> 64K by RoPE base, dense", extends="base-8k"),
-    Arm("ext-topk64", "8K -> 64K by RoPE base, top-k 64", budget=64, extends="base-8k"),
-    Arm("ext-tail-dense", "extension, loss on the last tokens only, dense", extends="base-8k", tail=True),
-    Arm("ext-tail-topk64", "extension, loss on the last tokens only, top-k 64", budget=64, extends="base-8k",
-        tail=True),
-    Arm("ext-tail-topk64-d2", "extension, loss on the last tokens only, top-k 64, last 2 layers dense", budget=64,
-        dense_layers="-2,-1", extends="base-8k", tail=True),
-    # replicates (another seed: the run-to-run spread) and an ablation of how top-k scores pages
-    Arm("dense-64k-s1", "dense, from scratch, seed 1", seed=1, extra=True),
-    Arm("topk64-64k-s1", "top-k 64 pages, from scratch, seed 1", budget=64, seed=1, extra=True),
-    Arm("topk64-minmax-64k", "top-k 64 pages scored by min/max keys (Quest), from scratch", budget=64,
-        representative="minmax", extra=True),
-    Arm("topk64-d01-64k", "top-k 64 pages, the first two layers dense, from scratch", budget=64, dense_layers="0,1",
-        extra=True),
-    Arm("topk128-64k", "top-k 128 pages, from scratch", budget=128, extra=True),
-    Arm("topk64-sinks4-64k", "top-k 64 pages of which the first 4 always, from scratch", budget=64, sinks=4,
-        extra=True),
+    Arm("base-4k", "dense at 4K, from scratch (the 64K arms' base)", base=True),
+    Arm("dense-64k", "dense (positive control)"),
+    Arm("topk64-64k", "top-k 64 pages", budget=64),
+    Arm("topk16-64k", "top-k 16 pages", budget=16),
+    Arm("topk16-d01-64k", "top-k 16 pages, layers 0 and 1 dense", budget=16, dense_layers="0,1"),
+    Arm("neg-64k", "top-k 1 page, the sink only (negative control)", budget=1),
+    Arm("dense-64k-s1", "dense, another data order", seed=1, extra=True),
+    Arm("topk64-64k-s1", "top-k 64 pages, another data order", budget=64, seed=1, extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
-OTHER_BUDGET = 64  # a dense arm is also read with top-k 64
+OTHER_BUDGET = 64  # a dense arm is also read with top-k 64, a top-k one densely
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -175,76 +164,66 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
 
     out = work / "arms" / arm.name
     resume = checkpoint.latest(out)
-    seq_len = study.base_len if arm.base else study.seq_len
-    batch = study.seq_len // study.base_len if arm.base else 1  # the same tokens per step
-    steps = study.ext_steps if arm.extends else study.steps
+    base = arm.base
     return TrainConfig(
         model=str(work / "arms" / arm.extends / "final") if arm.extends else study.model,
-        data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"), seq_len=seq_len, batch=batch,
-        steps=steps, lr=study.ext_lr if arm.extends else study.lr,
-        warmup_steps=study.ext_warmup if arm.extends else study.warmup,
-        weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, seq_len), page_size=study.page_size,
+        data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"),
+        seq_len=study.base_len if base else study.seq_len, batch=study.base_batch if base else 1,
+        steps=study.base_steps if base else study.steps, lr=study.base_lr if base else study.lr,
+        warmup_steps=study.base_warmup if base else study.warmup, weight_decay=study.weight_decay,
+        chunk_size=min(study.chunk_size, study.base_len if base else study.seq_len), page_size=study.page_size,
         sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
-        sparse_representative=arm.representative, sparse_sink_pages=arm.sinks,
-        rope_theta=study.ext_theta if arm.extends else None, loss_last=study.tail if arm.tail else 0,
-        needle_rate=study.needle_rate, needles_per_sequence=study.needles_per_sequence, tokenizer="bytes",
-        output_dir=str(out), save_every=study.save_every, eval_every=study.eval_every, eval_batches=1,
+        sparse_sink_pages=1, rope_theta=study.rope_theta if base else None,
+        recall_pairs=study.base_pairs if base else study.pairs, recall_keys=study.recall_keys,
+        recall_values=study.recall_values, output_dir=str(out), save_every=study.save_every,
+        eval_every=study.base_eval_every if base else study.eval_every, eval_batches=study.eval_batches,
         resume=str(resume) if resume else "", seed=study.seed + arm.seed, device=study.device,
         backend=study.backend)
 
 
 def evaluations(arm: Arm) -> list[tuple[str, int, str]]:
     """(task, top-k budget or 0, dense layers) of every evaluation of an arm's final model:
-    position-loss and retrieval with the attention the arm trained with and with the other (top-k
-    read densely, dense read with top-k 64); selection recall at the arm's budget (64 for a dense
-    arm) and, for another budget, at 64 too."""
+    kv-recall with the attention the arm trained with and with the other (top-k read densely,
+    dense read with top-k 64), and the held-out loss with its own."""
     other = 0 if arm.budget else OTHER_BUDGET
-    runs = [(task, budget, dense) for budget, dense in ((arm.budget, arm.dense_layers), (other, ""))
-            for task in ("position-loss", "retrieval")]
-    runs.append(("selection-recall", arm.budget or OTHER_BUDGET, arm.dense_layers))
-    if arm.budget not in (0, OTHER_BUDGET):
-        runs.append(("selection-recall", OTHER_BUDGET, ""))
-    return runs
+    return [("kv-recall", arm.budget, arm.dense_layers), ("kv-recall", other, ""),
+            ("loss", arm.budget, arm.dense_layers)]
 
 
-def evaluation_key(arm: Arm, task: str, budget: int, dense: str) -> tuple[str, str, str]:
-    """How an evaluation's row is found again: (task, attention label, dense layers)."""
-    return task, label(budget, *arm.reads(budget)), dense
+def evaluation_key(arm: Arm, task: str, budget: int, dense: str) -> tuple[str, str]:
+    """How an evaluation's row is found again: (task, attention label)."""
+    return task, label(budget, dense)
 
 
-def evaluated(name: str, rows: list[dict]) -> set[tuple[str, str, str]]:
+def evaluated(name: str, rows: list[dict]) -> set[tuple[str, str]]:
     """The evaluation keys an arm's rows already hold."""
-    return {(r.get("task"), r.get("attention"), r.get("dense_layers")) for r in rows
-            if r.get("arm") == name and r.get("kind") == "eval"}
+    return {(r.get("task"), r.get("attention")) for r in rows
+            if r.get("study") == STUDY and r.get("arm") == name and r.get("kind") == "eval"}
 
 
-def evaluate(arm: Arm, study: Study, model, held, task: str, budget: int, dense: str) -> dict:
-    """One evaluation of an arm's final model (loaded once per arm) on the held-out tokens."""
-    import numpy as np
-
+def evaluate(study: Study, model, held, task: str, budget: int, dense: str) -> dict:
+    """One evaluation of an arm's final model (loaded once per arm) on the held-out tokens, at
+    the study's sequence length."""
     from oomb import ChunkRecurrentEngine, TopKPages
     from oomb.eval import tasks
     from oomb.train.data import windows
-    from oomb.train.needles import ByteCodec
+    from oomb.train.recall import RecallTask, evaluation_sequences
     from oomb.train.trainer import parse_layers
 
-    representative, sinks = arm.reads(budget)
-    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense), representative=representative,
-                       sink_pages=min(sinks, study.pages(budget))) if budget else None
+    sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense),
+                       sink_pages=1) if budget else None
     engine = ChunkRecurrentEngine(model, chunk_size=study.chunk_size, page_size=study.page_size, sparse=sparse,
                                   kv_grad_dtype=None, backend=study.backend, offload="auto")
     t0 = time.perf_counter()
-    if task == "position-loss":
-        result = tasks.position_loss(engine, windows(held, study.seq_len, 1, study.eval_windows), study.seq_len)
-    elif task == "retrieval":
-        result = tasks.retrieval(engine, np.asarray(held), ByteCodec(), list(study.lengths), list(study.depths),
-                                 study.samples, seed=study.seed)
+    if task == "kv-recall":
+        recall = RecallTask(study.recall_keys, study.recall_values)
+        edges = list(study.edges)
+        sequences = evaluation_sequences(held, recall, model.config.vocab_size, study.seq_len, study.chunk_size,
+                                         edges, study.queries, study.eval_pairs, seed=study.seed + 1)
+        result = tasks.kv_recall(engine, sequences, recall, edges)
     else:
-        result = tasks.selection_recall(engine, windows(held, study.seq_len, 1, 1), study.seq_len,
-                                        study.recall_chunks, study.recall_blocks, study.seed)
-        result.pop("samples")
-    return {**result, "eval_s": round(time.perf_counter() - t0, 1),
-            "attention": evaluation_key(arm, task, budget, dense)[1], "dense_layers": dense}
+        result = tasks.mean_loss(engine, windows(held, study.seq_len, 1, study.loss_windows))
+    return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, dense)}
 
 
 def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) -> None:
@@ -255,13 +234,14 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
     data = corpus(study, work)
     out = work / "arms" / name
     done = evaluated(name, read_rows(rows_file))
+    tag = {"study": STUDY, "arm": name}
     if not (out / "final" / "config.json").exists():
         cfg = train_config(arm, study, work, data)
         t0 = time.perf_counter()
         train(cfg)
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-        append(rows_file, [{"study": "quality", "arm": name, "kind": "train", **r, **info} for r in steps]
-               + [{"study": "quality", "arm": name, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
+        append(rows_file, [{**tag, "kind": "train", **r, **info} for r in steps]
+               + [{**tag, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
                    "config": dataclasses.asdict(cfg), **info}])
     todo = [e for e in evaluations(arm) if evaluation_key(arm, *e) not in done]
     if not todo:
@@ -277,9 +257,11 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
                        dtype=torch.bfloat16 if device.type == "cuda" else torch.float32).eval()
     held = open_tokens(data / "heldout.npy", model.config.vocab_size)
     for task, budget, dense in todo:
-        r = evaluate(arm, study, model, held, task, budget, dense)
-        append(rows_file, [{"study": "quality", "arm": name, "kind": "eval", "trained_with": arm.attention,
-                            "trained_dense_layers": arm.dense_layers, **r, **info}])
+        r = evaluate(study, model, held, task, budget, dense)
+        append(rows_file, [{**tag, "kind": "eval", "trained_with": arm.attention, **r, **info}])
+        print(f"{name}: {task} read with {r['attention']}: " + (
+            ", ".join(f"{b['bucket']} {b['accuracy']:.3f}" for b in r["buckets"]) if task == "kv-recall"
+            else f"loss {r['loss']:.4f}"), flush=True)
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -313,7 +295,7 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
     from common import run_info
 
     info = run_info()
-    info["setting"] = "smoke" if study.model == "tiny" else "full"
+    info["setting"] = "smoke" if study.model == "tiny-kv" else "full"
     work.mkdir(parents=True, exist_ok=True)
     corpus(study, work)  # once, before the arms start
     todo = [n for n in names if not complete(n, read_rows(results))]
@@ -380,16 +362,16 @@ def main() -> None:
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--jobs", type=int, default=len(ARMS), help="arms at once (0: in this process)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="start no arm after this many seconds")
-    parser.add_argument("--steps", type=int, default=0, help="override the from-scratch arms' steps")
-    parser.add_argument("--ext-steps", type=int, default=0, help="override the extension arms' steps")
+    parser.add_argument("--base-steps", type=int, default=0, help="override base-4k's steps")
+    parser.add_argument("--steps", type=int, default=0, help="override the 64K arms' steps")
     parser.add_argument("--report", action="store_true", help="write docs/quality.md and its plots from --results")
     parser.add_argument("--doc", default=str(DOC), help="the page --report writes (its plots beside it)")
     args = parser.parse_args()
     study = smoke() if args.smoke else Study()
+    if args.base_steps:
+        study.base_steps = args.base_steps
     if args.steps:
         study.steps = args.steps
-    if args.ext_steps:
-        study.ext_steps = args.ext_steps
     work, results = Path(args.work), Path(args.results)
     if args.report:
         from quality_report import write_report

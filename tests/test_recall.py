@@ -178,31 +178,22 @@ def top_k_logits(model, ids, selections, chunk, page):
 
 def test_train_with_recall_pairs_logs_accuracy_by_bucket(tmp_path):
     """oomb train --recall-pairs: the held-out evaluation logs recall accuracy by bucket."""
-    from oomb import presets
     from oomb.train.config import TrainConfig
     from oomb.train.trainer import train
 
     text = np.random.default_rng(0).integers(0, 200, 40_000).astype(np.uint16)
     np.save(tmp_path / "t.npy", text)
-    presets.PRESETS["tiny-kv-test"] = {**presets.PRESETS["tiny"], "vocab_size": 256 + 32}
-    try:
-        cfg = TrainConfig(model="tiny-kv-test", data=str(tmp_path / "t.npy"), seq_len=256, batch=2, steps=2,
-                          chunk_size=64, page_size=16, recall_pairs=8, recall_keys=16, recall_values=16,
-                          eval_every=2, output_dir=str(tmp_path / "run"), save=False, device="cpu", backend="torch")
-        train(cfg)
-    finally:
-        del presets.PRESETS["tiny-kv-test"]
+    cfg = TrainConfig(model="tiny-kv", data=str(tmp_path / "t.npy"), seq_len=256, batch=2, steps=2, chunk_size=64,
+                      page_size=16, recall_pairs=8, recall_keys=32, recall_values=32, eval_every=2,
+                      output_dir=str(tmp_path / "run"), save=False, device="cpu", backend="torch")
+    train(cfg)
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     recall = [r["eval_recall"] for r in rows if "eval_recall" in r]
     assert len(recall) == 1 and set(recall[0]) == {"same chunk", "0-256"} and recall[0]
     with pytest.raises(ValueError, match="reserves"):  # text that uses the reserved ids
         cfg.data = str(tmp_path / "bad.npy")
         np.save(cfg.data, np.full(1000, 260, np.uint16))
-        presets.PRESETS["tiny-kv-test"] = {**presets.PRESETS["tiny"], "vocab_size": 256 + 32}
-        try:
-            train(cfg)
-        finally:
-            del presets.PRESETS["tiny-kv-test"]
+        train(cfg)
 
 
 def test_eval_kv_recall_cli(tmp_path, capsys):

@@ -17,6 +17,9 @@ PRESETS = {
     # byte-level vocabulary, 4 layers: trains on CPU in seconds a step
     "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=256, rope_theta=10000.0),
+    # tiny with 32 key and 32 value ids above the bytes: the recall study's CPU smoke test (bench/quality.py)
+    "tiny-kv": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=320, rope_theta=10000.0),
     # byte-level, Qwen2 shape, ~30M parameters, head_dim 128: the long-context quality study (bench/quality.py)
     "byte-lm-30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=False),
