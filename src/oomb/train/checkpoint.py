@@ -10,6 +10,10 @@
     <output_dir>/final/     at the end: the trained model as transformers writes it
                             (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
                             does (PeftModel.from_pretrained on the base), plus the tokenizer
+
+Nothing is unpickled: tensors are read with torch.load(weights_only=True) or safetensors, and
+tensor-parallel (DTensor) optimizer state is saved as each rank's plain local tensors with their
+placements in JSON, rebuilt with DTensor.from_local.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import dataclasses
 import hashlib
 import json
 import os
+import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -26,6 +32,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from ..parallel import is_dtensor
+from .dtensor_state import local_state, with_dtensors
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -67,15 +74,9 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
                 "config": dataclasses.asdict(config)}
         (tmp / "trainer.json").write_text(json.dumps(info, indent=2))
     torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
-    zero = _is_zero(optimizer)
-    per_rank = sharded or zero
+    per_rank = sharded or _is_zero(optimizer)
     if per_rank or write:
-        local = optimizer
-        if zero:  # this rank's share, with the learning rate the scheduler set last
-            local = optimizer.optim
-            _copy_hyperparameters(optimizer.param_groups, local.param_groups)
-        torch.save({"optimizer": local.state_dict(), "scheduler": scheduler.state_dict(), "ranks": _world()},
-                   tmp / _optimizer_file(per_rank))
+        torch.save(_optimizer_payload(optimizer, scheduler), tmp / _optimizer_file(per_rank))
     _barrier()
     if write:
         _write_manifest(tmp)
@@ -152,7 +153,7 @@ def _restore_rng(path: Path) -> None:
     file = path / f"rng-rank{_rank()}.pt"
     if not file.is_file():  # an older checkpoint: the run continues with this process's RNG
         return
-    state = torch.load(file, weights_only=True)
+    state = _load_tensors(file)
     torch.set_rng_state(state["cpu"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -231,6 +232,31 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _load_tensors(file: Path) -> dict:
+    """torch.load of tensors, numbers, strings and containers only. A file holding any other
+    object, which unpickling would construct by running code the file names, is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        names = re.findall(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"a call to {names[0]}" if names else "objects other than tensors"
+        raise ValueError(f"checkpoint {file.parent}: {file.name} holds {what}; oomb loads only tensors from a "
+                         "checkpoint and runs no code from one: the file was not written by this oomb or was "
+                         "altered: resume from a checkpoint you wrote") from None
+
+
+def _optimizer_payload(optimizer, scheduler) -> dict:
+    """What an optimizer file holds: tensors, numbers and strings only (read back by
+    torch.load(weights_only=True)), each DTensor as its local tensor and its layout in JSON."""
+    local = optimizer
+    if _is_zero(optimizer):  # this rank's share, with the learning rate the scheduler set last
+        local = optimizer.optim
+        _copy_hyperparameters(optimizer.param_groups, local.param_groups)
+    state, layouts = local_state(local.state_dict())
+    return {"optimizer": state, "scheduler": scheduler.state_dict(), "ranks": _world(),
+            "dtensors": json.dumps(layouts)}
+
+
 def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     """Restore a checkpoint written by save() (its files checked against the manifest first, and
     with `config`, that this run can continue it); returns the step it was taken at. The RNG
@@ -264,16 +290,14 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "
                          "resume with the --tp, process count and --shard-optimizer setting it was written with")
-    # DTensor optimizer state is not a plain tensor: it loads only with full unpickling.
-    opt = torch.load(file, map_location="cpu", weights_only=not sharded)
+    opt = _load_tensors(file)
     if per_rank and opt.get("ranks") != _world():
         raise ValueError(f"checkpoint {path} holds the optimizer shards of {opt.get('ranks')} ranks, this run has "
                          f"{_world()}: resume with the number of processes it was written with")
-    if zero:  # this rank's share, and the hyperparameters (lr) the wrapper shows
-        optimizer.optim.load_state_dict(opt["optimizer"])
+    local = optimizer.optim if zero else optimizer  # ZeRO-1: this rank's share
+    local.load_state_dict(with_dtensors(opt["optimizer"], json.loads(opt.get("dtensors", "{}")), local, file))
+    if zero:  # the hyperparameters (lr) the wrapper shows
         _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
-    else:
-        optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     _restore_rng(path)
     return info["step"]
