@@ -1,16 +1,37 @@
-"""Checkpoints a user can trust: nothing in them runs as code."""
+"""Checkpoints a user can trust: nothing in them runs as code, a failed or killed save leaves the
+previous checkpoint whole and resumable, every write reaches the disk before it is published."""
+import errno
 import json
 import os
+import re
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
-from oomb.train import checkpoint
+from oomb.train import checkpoint, durable
+from oomb.train.checkpoint import SaveFailed
 from oomb.train.config import TrainConfig
 from oomb.train.trainer import train
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu")
+
+
+def tiny_save(output_dir, step: int) -> Path:
+    """A real checkpoint of a 2-parameter model, without the trainer (milliseconds)."""
+    torch.manual_seed(step)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(3, 4)).sum().backward()
+    optimizer.step()
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
+    return checkpoint.save(output_dir, step, model, optimizer, scheduler, TrainConfig())
 
 
 def test_a_payload_planted_in_a_checkpoint_is_refused_and_never_runs(tmp_path):
@@ -80,3 +101,162 @@ def test_tensor_parallel_optimizer_state_is_plain_tensors_and_placements(tmp_pat
                 assert torch.equal(got.full_tensor(), want.full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("fault", ["rename", "tensor writer", "disk full", "no room"])
+def test_a_failed_save_keeps_the_previous_checkpoint_and_stops_in_one_line(tmp_path, monkeypatch, fault):
+    """The save of step 4 fails: os.replace raising as it publishes, the tensor writer raising
+    halfway through its file, the disk filling up (ENOSPC from the writer), or too little free
+    space before writing. The run stops with one line naming the last good checkpoint (step 2);
+    nothing of step 4 is left; step 2 verifies and the run resumes from it to the end."""
+    out = tmp_path / "run"
+    real_replace, real_save_file = os.replace, checkpoint.save_file
+
+    def replace(src, dst):
+        if Path(dst).name == "step-000004":
+            raise OSError(errno.EIO, "Input/output error")
+        return real_replace(src, dst)
+
+    def save_file(state, path):
+        if "step-000004" not in str(path):
+            return real_save_file(state, path)
+        Path(path).write_bytes(b"\0" * 1000)  # the first part of the file, then the failure
+        if fault == "disk full":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("file write failed")
+
+    frees = iter([2**50])  # room for step 2, 10 bytes for step 4
+
+    def disk_usage(path):
+        return SimpleNamespace(free=next(frees, 10))
+
+    if fault == "rename":
+        monkeypatch.setattr(os, "replace", replace)
+    elif fault == "no room":
+        monkeypatch.setattr(durable.shutil, "disk_usage", disk_usage)
+    else:
+        monkeypatch.setattr(checkpoint, "save_file", save_file)
+    with pytest.raises(SaveFailed) as failed:
+        train(TrainConfig(**SMALL, output_dir=str(out), save_every=2))
+    message = str(failed.value)
+    why = {"rename": r"\[Errno 5\] Input/output error", "tensor writer": "file write failed",
+           "disk full": r"\[Errno 28\] No space left on device",
+           "no room": rf"\[Errno 28\] needs [\d.]+ GiB, 0.00 GiB is free in {out}"}[fault]
+    good = out / "step-000002"
+    assert "\n" not in message
+    assert re.match(rf"the checkpoint of step 4 was not written \({why}.*\); the last good checkpoint is "
+                                  rf"{good}: fix the cause \(free space\?\) and resume with --resume {good}$", message)
+    assert checkpoint.step_dirs(out) == [good] and not list(out.glob("*.tmp*"))
+    monkeypatch.undo()
+    checkpoint.verify(good)
+    assert checkpoint.latest(out) == good
+    train(TrainConfig(**SMALL, output_dir=str(out), save_every=2, resume=str(good)))
+    assert checkpoint.latest(out) == out / "step-000004"
+
+
+KILLED_IN_SAVE = """
+import sys, time
+from pathlib import Path
+from oomb.train import checkpoint
+from oomb.train.config import TrainConfig
+from oomb.train.trainer import train
+real = checkpoint.save_file
+
+def save_file(state, path):
+    if "step-000004" not in str(path):
+        return real(state, path)
+    Path(path).write_bytes(b"\\0" * 1000)
+    Path(sys.argv[2]).write_text("saving")
+    time.sleep(600)
+
+checkpoint.save_file = save_file
+train(TrainConfig(seq_len=256, chunk_size=128, page_size=64, steps=4, backend="torch", device="cpu",
+                  output_dir=sys.argv[1], save_every=2))
+"""
+
+
+def test_a_run_killed_while_saving_leaves_the_previous_checkpoint_resumable(tmp_path):
+    """SIGKILL in the middle of writing step 4's checkpoint: no step-000004 appears (only its
+    temporary directory), step 2 is the newest verified checkpoint, and the run resumes from it."""
+    out, saving = tmp_path / "run", tmp_path / "saving"
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen([sys.executable, "-c", KILLED_IN_SAVE, str(out), str(saving)], env=env,
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while not saving.exists():
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.05)
+    run.send_signal(signal.SIGKILL)
+    run.communicate(timeout=60)
+    assert [p.name for p in checkpoint.step_dirs(out)] == ["step-000002"]
+    assert len(list(out.glob("step-000004.tmp-*"))) == 1
+    assert checkpoint.latest(out) == out / "step-000002"
+    train(TrainConfig(**SMALL, output_dir=str(out), save_every=2, resume=str(out / "step-000002")))
+    checkpoint.verify(out / "step-000004")
+
+
+def test_files_the_temporary_directory_and_its_parent_are_fsynced(tmp_path, monkeypatch):
+    """Every file of a checkpoint and of final/ is flushed under its temporary name, then the
+    temporary directory, then (after the rename) the output directory."""
+    synced = []
+    real = os.fsync
+
+    def fsync(fd):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    out = tmp_path / "run"
+    train(TrainConfig(**{**SMALL, "steps": 1}, output_dir=str(out)))
+    for final in (out / "step-000001", out / "final"):
+        tmp = [p for p in synced if p.name.startswith(final.name + ".tmp-")]
+        assert len(set(tmp)) == 1, tmp  # the temporary directory itself
+        files = {p.relative_to(final) for p in final.rglob("*") if p.is_file()}
+        assert files and files <= {p.relative_to(tmp[0]) for p in synced if p.is_relative_to(tmp[0])}
+        assert out in synced[synced.index(tmp[0]) + 1 :]  # the parent, after the rename
+
+
+def test_a_replaced_directory_is_renamed_aside_and_put_back_after_a_failure(tmp_path, monkeypatch):
+    """publish() over an existing directory: renamed aside, the new one renamed in, the old one
+    removed. A rename that fails puts the old one back; a kill between the two renames leaves it
+    aside, and clean_stale() (at the next run's start) puts it back."""
+    final, tmp = tmp_path / "final", tmp_path / "final.tmp-1"
+    final.mkdir()
+    (final / "a").write_text("old")
+
+    def new():
+        tmp.mkdir()
+        (tmp / "a").write_text("new")
+
+    real = os.replace
+    new()
+    monkeypatch.setattr(os, "replace", lambda src, dst: real(src, dst) if Path(src) != tmp else 1 / 0)
+    with pytest.raises(ZeroDivisionError):  # a kill: nothing after it runs
+        durable.publish(tmp, final)
+    (aside,) = tmp_path.glob("final.old-*")
+    assert not final.exists() and tmp.exists()
+    assert sorted(durable.clean_stale(tmp_path)) == [aside.name, tmp.name]
+    assert (final / "a").read_text() == "old" and not tmp.exists()
+    new()
+    monkeypatch.setattr(os, "replace", lambda src, dst: real(src, dst) if Path(src) != tmp else
+                        (_ for _ in ()).throw(OSError(errno.EXDEV, "Invalid cross-device link")))
+    with pytest.raises(OSError, match="cross-device"):
+        durable.publish(tmp, final)
+    assert (final / "a").read_text() == "old" and not list(tmp_path.glob("final.old-*"))
+    monkeypatch.setattr(os, "replace", real)
+    durable.publish(tmp, final)
+    assert (final / "a").read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_latest_is_the_newest_verified_checkpoint_by_step_number(tmp_path):
+    """step-1000000 is newer than step-999999 (not so as text); a damaged newest checkpoint is
+    passed over with a warning for the one before it; unfinished and temporary ones never count."""
+    assert checkpoint.latest(tmp_path) is None and checkpoint.latest(tmp_path / "absent") is None
+    for step in (2, 999_999, 1_000_000):
+        tiny_save(tmp_path, step)
+    (tmp_path / "step-2000000.tmp-1-ab").mkdir()
+    (tmp_path / "step-3000000").mkdir()  # no manifest: never finished
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-1000000"
+    (tmp_path / "step-1000000" / "model.safetensors").write_bytes(b"damaged")
+    with pytest.warns(UserWarning, match=r"step-1000000: model.safetensors has 7 bytes.*passed over for an earlier"):
+        assert checkpoint.latest(tmp_path) == tmp_path / "step-999999"
