@@ -170,11 +170,9 @@ def corpus(study: Study, work: Path) -> Path:
 # -- one arm ---------------------------------------------------------------------------------
 
 def train_config(arm: Arm, study: Study, work: Path, data: Path):
-    from oomb.train import checkpoint
     from oomb.train.config import TrainConfig
 
     out = work / "arms" / arm.name
-    resume = checkpoint.latest(out)
     seq_len = study.base_len if arm.base else study.seq_len
     batch = study.seq_len // study.base_len if arm.base else 1  # the same tokens per step
     steps = study.ext_steps if arm.extends else study.steps
@@ -189,7 +187,7 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         rope_theta=study.ext_theta if arm.extends else None, loss_last=study.tail if arm.tail else 0,
         needle_rate=study.needle_rate, needles_per_sequence=study.needles_per_sequence, tokenizer="bytes",
         output_dir=str(out), save_every=study.save_every, eval_every=study.eval_every, eval_batches=1,
-        resume=str(resume) if resume else "", seed=study.seed + arm.seed, device=study.device,
+        resume="auto", seed=study.seed + arm.seed, device=study.device,
         backend=study.backend)
 
 

@@ -161,6 +161,23 @@ def _last_good(output_dir: str | Path) -> str:
     return f"the last good checkpoint is {good}: fix the cause (free space?) and resume with --resume {good}"
 
 
+def prune(output_dir: str | Path, limit: int, newest: Path) -> list[Path]:
+    """Delete the oldest step directories (by step number) beyond `limit`, once `newest` (the
+    one just written) is verified; never `newest`. Returns the deleted ones; a failure to verify
+    or to delete is a warning, and what is left stays."""
+    older = [p for p in step_dirs(output_dir) if p != newest]
+    doomed = older[: max(0, len(older) - (limit - 1))]
+    try:
+        if doomed:
+            verify(newest)
+        for path in doomed:
+            durable.remove(path)
+    except (ValueError, OSError) as e:
+        warnings.warn(f"--save-total-limit {limit}: older checkpoints kept ({e})", stacklevel=2)
+        return []
+    return doomed
+
+
 def _nbytes(obj) -> int:
     """Bytes of the tensors in a nested dict / list."""
     if isinstance(obj, torch.Tensor):
