@@ -152,8 +152,8 @@ def test_a_failed_save_keeps_the_previous_checkpoint_and_stops_in_one_line(tmp_p
            "no room": rf"\[Errno 28\] needs [\d.]+ GiB, 0.00 GiB is free in {out}"}[fault]
     good = out / "step-000002"
     assert "\n" not in message
-    assert re.match(rf"the checkpoint of step 4 was not written \({why}.*\); the last good checkpoint is "
-                                  rf"{good}: fix the cause \(free space\?\) and resume with --resume {good}$", message)
+    assert re.match(rf"the checkpoint of step 4 was not written \({why}.*\); the last good checkpoint is {good}: "
+                    rf"fix the cause \(free space\?\) and resume with --resume {good}$", message)
     assert checkpoint.step_dirs(out) == [good] and not list(out.glob("*.tmp*"))
     monkeypatch.undo()
     checkpoint.verify(good)

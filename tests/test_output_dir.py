@@ -110,7 +110,8 @@ def test_a_run_without_output_dir_says_first_that_nothing_is_saved(capsys, save_
         assert first == ("oomb train: warning: --save-every 2 without --output-dir: nothing will be saved (no "
                          "checkpoint, no metrics.jsonl, no final model); add --output-dir DIR")
     else:
-        assert first == "oomb train: no --output-dir: nothing will be saved (no checkpoint, no metrics.jsonl, no final model)"
+        assert first == ("oomb train: no --output-dir: nothing will be saved (no checkpoint, no metrics.jsonl, no "
+                         "final model)")
 
 
 def test_new_flags_reach_the_command_line():
