@@ -159,11 +159,9 @@ def corpus(study: Study, work: Path) -> Path:
 # -- one arm ---------------------------------------------------------------------------------
 
 def train_config(arm: Arm, study: Study, work: Path, data: Path):
-    from oomb.train import checkpoint
     from oomb.train.config import TrainConfig
 
     out = work / "arms" / arm.name
-    resume = checkpoint.latest(out)
     base = arm.base
     return TrainConfig(
         model=str(work / "arms" / arm.extends / "final") if arm.extends else study.model,
@@ -177,7 +175,7 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         recall_pairs=study.base_pairs if base else study.pairs, recall_keys=study.recall_keys,
         recall_values=study.recall_values, output_dir=str(out), save_every=study.save_every,
         eval_every=study.base_eval_every if base else study.eval_every, eval_batches=study.eval_batches,
-        resume=str(resume) if resume else "", seed=study.seed + arm.seed, device=study.device,
+        resume="auto", seed=study.seed + arm.seed, device=study.device,
         backend=study.backend)
 
 

@@ -29,6 +29,7 @@ command a minute beyond --budget-s for the checkpoint and export written at the 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import signal
@@ -70,8 +71,8 @@ def train_command(args, resume) -> list[str]:
            "--sparse-budget", str(args.sparse_budget), "--output-dir", args.out_dir, "--log-every", "1"]
     if args.smoke:
         cmd += ["--device", "cpu"]
-    if resume:
-        cmd += ["--resume", str(resume)]
+    # a fresh run replaces what an earlier one left in --out-dir (the trainer refuses it otherwise)
+    cmd += ["--resume", str(resume)] if resume else ["--overwrite"]
     return cmd + args.train_args
 
 
@@ -94,12 +95,16 @@ def run(args) -> tuple[list[dict], str, int, float]:
     """Runs the trainer; (this run's step rows, how it stopped, its exit code, seconds)."""
     metrics = os.path.join(args.out_dir, "metrics.jsonl")
     os.makedirs(args.out_dir, exist_ok=True)
-    known = len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0  # earlier runs' lines
     from oomb.train import checkpoint
+    from oomb.train.output_dir import truncate_metrics
 
     resume = checkpoint.latest(args.out_dir) if args.resume else None
     if args.resume and resume is None:
         print(f"soak: no checkpoint in {args.out_dir}: starting from step 0")
+    known = 0  # the lines before this run's: a fresh run (--overwrite) has none
+    if resume:  # what the trainer keeps (the rows up to its step), dropped here before it starts
+        truncate_metrics(metrics, json.loads((resume / "trainer.json").read_text())["step"])
+        known = len(open(metrics).read().splitlines()) if os.path.exists(metrics) else 0
     cmd = train_command(args, resume)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.join(ROOT, "src"), os.environ.get("PYTHONPATH", "")])}
     print("soak:", shlex.join(cmd), flush=True)

@@ -27,19 +27,19 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == ["final", "metrics.jsonl", "step-000002", "step-000003"]  # no *.tmp left behind
+    assert saved == [".lock", "final", "metrics.jsonl", "step-000002", "step-000003"]  # no temporary left behind
     state = json.loads((tmp_path / "step-000002" / "trainer.json").read_text())
     assert state["step"] == 2 and state["config"]["lora_rank"] == 4
     # Resuming from step 2 runs exactly one more step.
     losses = train(TrainConfig(**SMALL, lora_rank=4, resume=str(tmp_path / "step-000002"), output_dir=str(tmp_path)))
     assert len(losses) == 1
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 3]  # the resumed run appends its step 3
+    assert steps == [1, 2, 3]  # the resumed run's step 3 in place of the first run's
 
 
 def test_no_save_writes_only_the_metrics(tmp_path):
     train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=1, save=False))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["step_s"] > 0 for r in rows)
 

@@ -1,4 +1,4 @@
-"""Checkpoints that are whole or absent: written to a temporary directory, then renamed.
+"""Checkpoints that are whole or absent: written to a temporary directory, flushed, then renamed.
 
     <output_dir>/step-000040/
         model.safetensors   trainable parameters (all of them, or the LoRA adapters)
@@ -10,22 +10,41 @@
     <output_dir>/final/     at the end: the trained model as transformers writes it
                             (AutoModelForCausalLM.from_pretrained), or the LoRA adapter as PEFT
                             does (PeftModel.from_pretrained on the base), plus the tokenizer
+
+Nothing is unpickled: tensors are read with torch.load(weights_only=True) or safetensors, and
+tensor-parallel (DTensor) optimizer state is saved as each rank's plain local tensors with their
+placements in JSON, rebuilt with DTensor.from_local. A temporary directory has a unique name
+(`step-000040.tmp-<pid>-<random>`); its files, itself and, after the rename, its parent are
+fsynced; a directory it replaces is renamed aside first and removed last.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
 import json
-import os
+import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from ..parallel import is_dtensor
+from . import durable
+from .dtensor_state import local_state, with_dtensors
+from .interrupt import TrainingStopped
+
+#: what a failed write raises: the OS (a full disk, a rename), torch.save's writer, safetensors'
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+class SaveFailed(TrainingStopped):
+    """A checkpoint or the final model could not be written; the run stops (the previous
+    checkpoint is untouched: the message names it)."""
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -41,10 +60,25 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 RESUME_FIELDS = ("model", "seq_len", "batch", "grad_accum", "lora_rank", "tp")
 
 
+def step_dirs(output_dir: str | Path) -> list[Path]:
+    """output_dir's step-N directories in step order (by number: step-1000000 after step-999999)."""
+    root = Path(output_dir)
+    found = [p for p in root.glob("step-*") if re.fullmatch(r"step-\d+", p.name)] if root.is_dir() else []
+    return sorted(found, key=lambda p: int(p.name[len("step-"):]))
+
+
 def latest(output_dir: str | Path) -> Path | None:
-    """The newest finished checkpoint save() wrote into output_dir (None: none yet)."""
-    done = sorted(Path(output_dir).glob("step-*[0-9]")) if Path(output_dir).is_dir() else []
-    return done[-1] if done else None
+    """The newest checkpoint in output_dir whose files match its manifest (a damaged or
+    unfinished newer one is passed over, with a warning naming it). None: there is none."""
+    for path in reversed(step_dirs(output_dir)):
+        try:
+            if not (path / "manifest.json").is_file():
+                raise ValueError(f"checkpoint {path} has no manifest.json (it was never finished)")
+            verify(path)
+            return path
+        except ValueError as e:
+            warnings.warn(f"{e}; passed over for an earlier one", stacklevel=2)
+    return None
 
 
 def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
@@ -52,36 +86,107 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
 
     Under tensor parallelism and ZeRO-1 each rank writes its own optimizer state
     (`optimizer-rank{r}.pt`): nothing is gathered (a 7B model's AdamW state is 30 GB in bf16).
+    Free space is checked first (the tensors' bytes); a write that fails on any rank (a full
+    disk, a file system error) raises SaveFailed on every rank, naming the last good checkpoint,
+    and leaves the published ones as they were.
     """
     final = Path(output_dir) / f"step-{step:06d}"
-    tmp = final.with_name(final.name + ".tmp")
     state = trainable_state(model)
-    sharded = any(is_dtensor(p) for p in model.parameters())
-    if write:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()  # the temporary directory exists before any rank writes into it
-    if write:
-        save_file(state, tmp / "model.safetensors")
-        info = {"step": step, "batches_seen": step * config.grad_accum, "world_size": _world(),
-                "config": dataclasses.asdict(config)}
-        (tmp / "trainer.json").write_text(json.dumps(info, indent=2))
-    torch.save(_rng_state(), tmp / f"rng-rank{_rank()}.pt")
-    zero = _is_zero(optimizer)
-    per_rank = sharded or zero
-    if per_rank or write:
-        local = optimizer
-        if zero:  # this rank's share, with the learning rate the scheduler set last
-            local = optimizer.optim
-            _copy_hyperparameters(optimizer.param_groups, local.param_groups)
-        torch.save({"optimizer": local.state_dict(), "scheduler": scheduler.state_dict(), "ranks": _world()},
-                   tmp / _optimizer_file(per_rank))
-    _barrier()
-    if write:
-        _write_manifest(tmp)
-        _publish(tmp, final)
-    _barrier()
+    files = _rank_files(step, state, model, optimizer, scheduler, config, write)
+    tmp = final.with_name(from_rank0(durable.unique(final.name, "tmp")))
+    need = int(_over_ranks(_nbytes(files) + 2**20, dist.ReduceOp.SUM))  # 1 MiB: JSON and file headers
+    # Three phases, each ended by every rank agreeing it went well: the directory, each rank's
+    # files, the manifest and the rename.
+    for mine, action in ((write, lambda: _make_temp(tmp, need)), (True, lambda: _write_files(tmp, files)),
+                         (write, lambda: _finish(tmp, final))):
+        error = _attempt(action) if mine else ""
+        if not _all_ok(error):
+            if write:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise SaveFailed(f"the checkpoint of step {step} was not written ({error or 'another rank failed'}); "
+                             f"{_last_good(output_dir) if write else 'rank 0 names the last good checkpoint'}")
     return final
+
+
+def _rank_files(step: int, state: dict, model, optimizer, scheduler, config, write: bool) -> dict:
+    """{file name: what goes in it} of this rank's share of a checkpoint."""
+    per_rank = any(is_dtensor(p) for p in model.parameters()) or _is_zero(optimizer)
+    files = {f"rng-rank{_rank()}.pt": _rng_state()}
+    if per_rank or write:
+        files[_optimizer_file(per_rank)] = _optimizer_payload(optimizer, scheduler)
+    if write:
+        files["model.safetensors"] = state
+        files["trainer.json"] = {"step": step, "batches_seen": step * config.grad_accum, "world_size": _world(),
+                                 "config": dataclasses.asdict(config)}
+    return files
+
+
+def _write_files(tmp: Path, files: dict) -> None:
+    """Each file written and flushed to the disk."""
+    for name, content in files.items():
+        path = tmp / name
+        if name.endswith(".safetensors"):
+            save_file(content, path)
+        elif name.endswith(".json"):
+            path.write_text(json.dumps(content, indent=2))
+        else:
+            torch.save(content, path)
+        durable.fsync(path)
+
+
+def _make_temp(tmp: Path, need: int) -> None:
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    durable.check_room(tmp.parent, need)
+    tmp.mkdir()
+
+
+def _finish(tmp: Path, final: Path) -> None:
+    _write_manifest(tmp)
+    durable.publish(tmp, final)
+
+
+def _attempt(action) -> str:
+    """'' when action() ran, else the write error it raised, in one line."""
+    try:
+        action()
+    except WRITE_ERRORS as e:
+        return (str(e).splitlines() or [type(e).__name__])[0]
+    return ""
+
+
+def _last_good(output_dir: str | Path) -> str:
+    good = latest(output_dir)
+    if good is None:
+        return f"{output_dir} holds no earlier checkpoint; fix the cause (free space?) and start again"
+    return f"the last good checkpoint is {good}: fix the cause (free space?) and resume with --resume {good}"
+
+
+def prune(output_dir: str | Path, limit: int, newest: Path) -> list[Path]:
+    """Delete the oldest step directories (by step number) beyond `limit`, once `newest` (the
+    one just written) is verified; never `newest`. Returns the deleted ones; a failure to verify
+    or to delete is a warning, and what is left stays."""
+    older = [p for p in step_dirs(output_dir) if p != newest]
+    doomed = older[: max(0, len(older) - (limit - 1))]
+    try:
+        if doomed:
+            verify(newest)
+        for path in doomed:
+            durable.remove(path)
+    except (ValueError, OSError) as e:
+        warnings.warn(f"--save-total-limit {limit}: older checkpoints kept ({e})", stacklevel=2)
+        return []
+    return doomed
+
+
+def _nbytes(obj) -> int:
+    """Bytes of the tensors in a nested dict / list."""
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
 
 
 def _write_manifest(path: Path) -> None:
@@ -89,6 +194,7 @@ def _write_manifest(path: Path) -> None:
     files = {f.name: {"bytes": f.stat().st_size, "sha256": _sha256(f)} for f in sorted(path.iterdir())
              if f.is_file() and f.name != "manifest.json"}
     (path / "manifest.json").write_text(json.dumps({"files": files}, indent=1))
+    durable.fsync(path / "manifest.json")
 
 
 def _sha256(path: Path) -> str:
@@ -152,7 +258,7 @@ def _restore_rng(path: Path) -> None:
     file = path / f"rng-rank{_rank()}.pt"
     if not file.is_file():  # an older checkpoint: the run continues with this process's RNG
         return
-    state = torch.load(file, weights_only=True)
+    state = _load_tensors(file)
     torch.set_rng_state(state["cpu"])
     if state.get("cuda") is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -162,10 +268,10 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
     """The trained model (or adapter) in transformers / PEFT format under <output_dir>/final.
 
     Every rank calls this: tensor-parallel shards are gathered one parameter at a time and
-    only the writing rank keeps them (host memory: one model, on one rank).
+    only the writing rank keeps them (host memory: one model, on one rank). A failure to write
+    raises SaveFailed on every rank; an earlier final/ stays until the new one is in place.
     """
     final = Path(output_dir) / "final"
-    tmp = final.with_name(final.name + ".tmp")
     state = None
     if any(is_dtensor(p) for p in model.parameters()):
         state = {}
@@ -173,21 +279,27 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
             whole = _full(tensor)
             if write:
                 state[name] = whole.cpu()
-    if write:
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=state)  # None: transformers reads the parameters shard by shard
-        _save_tokenizer(source, tmp)
-        _publish(tmp, final)
-    _barrier()
+    error = _attempt(lambda: _write_export(model, state, source, final)) if write else ""
+    if not _all_ok(error):
+        raise SaveFailed(f"the final model was not written to {final} ({error or 'another rank failed'}); "
+                         f"{_last_good(output_dir) if write else 'rank 0 names the last good checkpoint'}")
     return final
 
 
-def _publish(tmp: Path, final: Path) -> None:
-    """Put a fully written directory in place of `final` (a reader sees the old one or the new
-    one, never half of either)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+def _write_export(model, state: dict | None, source: str, final: Path) -> None:
+    tmp = final.with_name(durable.unique(final.name, "tmp"))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        # what save_pretrained writes: a PEFT model's adapters, else every tensor
+        tensors = [p for p in model.parameters() if p.requires_grad] if hasattr(model, "peft_config") \
+            else list(model.state_dict().values())
+        durable.check_room(final.parent, _nbytes(tensors) + 2**20)
+        model.save_pretrained(tmp, state_dict=state)  # None: transformers reads the parameters shard by shard
+        _save_tokenizer(source, tmp)
+        durable.fsync_tree(tmp)
+        durable.publish(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # absent once published
 
 
 def _save_tokenizer(source: str, path: Path) -> None:
@@ -226,9 +338,54 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def from_rank0(value):
+    """Rank 0's `value` (a string, numbers) on every rank; `value` itself without torch.distributed."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _over_ranks(value: float, op) -> float:
+    """`value` reduced over the ranks by `op` (one all-reduce); itself without torch.distributed."""
+    if not dist.is_initialized():
+        return value
+    nccl = dist.get_backend() == "nccl"
+    t = torch.tensor([value], dtype=torch.float64,
+                     device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
+    dist.all_reduce(t, op=op)
+    return float(t)
+
+
+def _all_ok(error: str) -> bool:
+    """Whether no rank has an error (every rank calls this at the same point)."""
+    return _over_ranks(float(bool(error)), dist.ReduceOp.MAX) == 0
+
+
+def _load_tensors(file: Path) -> dict:
+    """torch.load of tensors, numbers, strings and containers only. A file holding any other
+    object, which unpickling would construct by running code the file names, is refused."""
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        names = re.findall(r"Unsupported global: GLOBAL (\S+)", str(e))
+        what = f"a call to {names[0]}" if names else "objects other than tensors"
+        raise ValueError(f"checkpoint {file.parent}: {file.name} holds {what}; oomb loads only tensors from a "
+                         "checkpoint and runs no code from one: the file was not written by this oomb or was "
+                         "altered: resume from a checkpoint you wrote") from None
+
+
+def _optimizer_payload(optimizer, scheduler) -> dict:
+    """What an optimizer file holds: tensors, numbers and strings only (read back by
+    torch.load(weights_only=True)), each DTensor as its local tensor and its layout in JSON."""
+    local = optimizer
+    if _is_zero(optimizer):  # this rank's share, with the learning rate the scheduler set last
+        local = optimizer.optim
+        _copy_hyperparameters(optimizer.param_groups, local.param_groups)
+    state, layouts = local_state(local.state_dict())
+    return {"optimizer": state, "scheduler": scheduler.state_dict(), "ranks": _world(),
+            "dtensors": json.dumps(layouts)}
 
 
 def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
@@ -264,16 +421,14 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "
                          "resume with the --tp, process count and --shard-optimizer setting it was written with")
-    # DTensor optimizer state is not a plain tensor: it loads only with full unpickling.
-    opt = torch.load(file, map_location="cpu", weights_only=not sharded)
+    opt = _load_tensors(file)
     if per_rank and opt.get("ranks") != _world():
         raise ValueError(f"checkpoint {path} holds the optimizer shards of {opt.get('ranks')} ranks, this run has "
                          f"{_world()}: resume with the number of processes it was written with")
-    if zero:  # this rank's share, and the hyperparameters (lr) the wrapper shows
-        optimizer.optim.load_state_dict(opt["optimizer"])
+    local = optimizer.optim if zero else optimizer  # ZeRO-1: this rank's share
+    local.load_state_dict(with_dtensors(opt["optimizer"], json.loads(opt.get("dtensors", "{}")), local, file))
+    if zero:  # the hyperparameters (lr) the wrapper shows
         _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
-    else:
-        optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     _restore_rng(path)
     return info["step"]

@@ -91,10 +91,16 @@ class TrainConfig:
     shard_optimizer: bool = True  # data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)
     lora_rank: int = 0  # > 0: train LoRA adapters on attention and MLP projections only
     lora_alpha: float = 16.0
-    output_dir: str = ""  # where checkpoints, metrics.jsonl and the final model go; empty: nothing is written
+    # where checkpoints, metrics.jsonl and the final model go (one run at a time: a lock); empty: nothing is
+    # written. A directory holding a previous run's files is refused unless the run resumes or overwrites it
+    output_dir: str = ""
+    overwrite: bool = False  # delete the previous run's metrics.jsonl, step-* and final in output_dir first
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
+    save_total_limit: int = 0  # > 0: keep this many step-* checkpoints, the oldest deleted once a new one is verified
     save: bool = True  # False: no checkpoints and no final model, only metrics.jsonl (a benchmark's run)
-    resume: str = ""  # a checkpoint directory written by this trainer
+    # a checkpoint directory written by this trainer; 'latest': the newest verified one in output_dir;
+    # 'auto': that, or step 0 when there is none
+    resume: str = ""
     log_every: int = 1
     max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
     eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
@@ -130,7 +136,8 @@ class TrainConfig:
                   ("group_pages", self.group_pages, 1),
                   ("log_every", self.log_every, 1), ("max_bad_steps", self.max_bad_steps, 1),
                   ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
-                  ("save_every", self.save_every, 0), ("warmup_steps", self.warmup_steps, 0),
+                  ("save_every", self.save_every, 0), ("save_total_limit", self.save_total_limit, 0),
+                  ("warmup_steps", self.warmup_steps, 0),
                   ("sparse_budget", self.sparse_budget, 0), ("recall_pairs", self.recall_pairs, 0),
                   ("eval_every", self.eval_every, 0), ("eval_batches", self.eval_batches, 1)]
         for name, value, low in checks:

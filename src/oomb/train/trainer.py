@@ -31,6 +31,7 @@ from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
+from .output_dir import open_output_dir, truncate_metrics
 from .recall import RecallMix, RecallTask, Tally, bucket_of, default_edges, queries
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -363,9 +364,20 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     if cfg.tp > 1 and not distributed:
         raise ValueError(f"tp={cfg.tp} needs {cfg.tp} processes: launch with torchrun --nproc-per-node {cfg.tp} ...")
     mesh = init_distributed(cfg.tp) if distributed else None
+    rank0 = not distributed or dist.get_rank() == 0
+    cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
+    try:
+        return _run(cfg, kernels, mesh, rank0)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> list[float]:
+    """train() once the output directory is this run's."""
+    distributed = mesh is not None
     dp_group = mesh["dp"].get_group() if mesh is not None else None
     dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
-    rank0 = not distributed or dist.get_rank() == 0
     device = torch.device("cuda", torch.cuda.current_device()) if distributed and torch.cuda.is_available() \
         else resolve_device("cpu" if distributed else cfg.device)
     model = build_model(cfg, device)
@@ -436,6 +448,8 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
+    if metrics:  # a resumed run writes the rows after its step again
+        truncate_metrics(metrics, step)
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     interrupt = Interrupt(announce=rank0)
@@ -444,9 +458,13 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
 
     def save(step: int) -> str:
         if step not in saved:  # a signal right after a scheduled save reuses it
-            saved[step] = str(checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0))
+            path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
+            saved[step] = str(path)
             if rank0:
-                print(f"saved {saved[step]}", flush=True)
+                print(f"saved {path}", flush=True)
+            if rank0 and cfg.save_total_limit:  # only after the new one is in place and verified
+                for old in checkpoint.prune(cfg.output_dir, cfg.save_total_limit, path):
+                    print(f"deleted {old} (--save-total-limit {cfg.save_total_limit})", flush=True)
         return saved[step]
 
     def progress_of(bar):
