@@ -73,38 +73,59 @@ def test_children_under_the_interpreter():
     assert "sm_90" in lines[2] and "pinned host memory" in lines[3] and "sm_90" in lines[4]
 
 
-@pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice of a coming default
+# The racecheck controls compiled offline for sm_90, all variants, in a child process without
+# TRITON_INTERPRET: in this process the interpreter may have run kernels before (they leave
+# triton.language's builtins patched), and a compile then reaches its builder.
+COMPILE_WS_CONTROLS = """
+import importlib.util, json, sys, warnings
+warnings.filterwarnings("ignore", "TRITON_DEFAULT_FP_FUSION is unset")  # Triton 3.9's notice of a coming default
+import triton
+from triton.backends.compiler import GPUTarget
+from oomb.attention import paged_hopper
+if not paged_hopper.AVAILABLE:
+    print(json.dumps({"skip": f"Triton {triton.__version__} lacks the Gluon features paged_hopper uses"}))
+    sys.exit()
+from triton.experimental.gluon._runtime import GluonASTSource
+spec = importlib.util.spec_from_file_location("sanitize", sys.argv[1])
+sanitize = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sanitize)
+signature = {"out": "*fp32", "Base": "*i32", "BLOCK": "constexpr", "WARPS": "constexpr", "BAR": "constexpr",
+             "MBAR": "constexpr", "CAPTURE": "constexpr"}
+asm = {}
+for variant, (bar, mbar, capture) in sanitize.WS_VARIANTS.items():
+    src = GluonASTSource(sanitize._ws_control, signature,
+                         constexprs={(2,): 256, (3,): 8, (4,): bar, (5,): mbar, (6,): capture})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
+    asm[variant] = {"ttgir": k.asm["ttgir"], "ptx": k.asm["ptx"], "bar": bar, "mbar": mbar, "capture": capture}
+print(json.dumps(asm))
+"""
+
+
+@pytest.fixture(scope="module")
+def ws_controls():
+    env = {k: v for k, v in ENV.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", COMPILE_WS_CONTROLS, SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    compiled = json.loads(out.stdout.splitlines()[-1])
+    if "skip" in compiled:
+        pytest.skip(compiled["skip"])
+    return compiled
+
+
 @pytest.mark.parametrize("variant", ["ws-control", "ws-control-bar", "ws-control-mbarrier", "ws-control-capture",
                                      "ws-control-all"])
-def test_ws_controls_compile_for_sm90_as_the_hopper_kernel_specialises(variant):
+def test_ws_controls_compile_for_sm90_as_the_hopper_kernel_specialises(ws_controls, variant):
     """The racecheck controls are warp-specialised as paged_hopper._fused_bwd is (a default partition
     and two one-warp workers), and their workers get their start state as the Hopper kernel's do:
     through shared memory the default partition writes, behind a named barrier; each variant adds
     what it names: a barrier of the default partition's warps only (bar.sync 0 with a count), an
     mbarrier, a value handed to a worker through shared memory. Compiled offline with the installed
     Triton, for sm_90."""
-    import importlib.util
     import re
 
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    from oomb.attention import paged_hopper
-
-    if not paged_hopper.AVAILABLE:
-        pytest.skip(f"Triton {triton.__version__} lacks the Gluon features paged_hopper uses")
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    spec = importlib.util.spec_from_file_location("sanitize", SCRIPT)
-    sanitize = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sanitize)
-    bar, mbar, capture = sanitize.WS_VARIANTS[variant]
-    signature = {"out": "*fp32", "Base": "*i32", "BLOCK": "constexpr", "WARPS": "constexpr", "BAR": "constexpr",
-                 "MBAR": "constexpr", "CAPTURE": "constexpr"}
-    src = GluonASTSource(sanitize._ws_control, signature,
-                         constexprs={(2,): 256, (3,): 8, (4,): bar, (5,): mbar, (6,): capture})
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=8))
-    ttgir, ptx = k.asm["ttgir"], k.asm["ptx"]
+    k = ws_controls[variant]
+    ttgir, ptx, bar, mbar, capture = k["ttgir"], k["ptx"], k["bar"], k["mbar"], k["capture"]
     assert "ttg.warp_specialize" in ttgir and "partition1" in ttgir and "partition2" not in ttgir
     assert "st.shared" in ptx and re.search(r"barrier\.sync\s+1;", ptx) and "ld.shared" in ptx
     if bar:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 
@@ -22,11 +23,54 @@ def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
         parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default!r})")
 
 
-def parse_tokens(text: str) -> int:
-    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096."""
-    text = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(text[-1:], 1)
-    return int(float(text[:-1] if scale > 1 else text) * scale)
+def parse_tokens(text: str, low: int = 1) -> int:
+    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096: a whole number of tokens >= low (an
+    argparse error naming the text otherwise: inf, nan, 0, negative, fractional, not a number)."""
+    t = text.strip().upper()
+    scale = {"K": 2**10, "M": 2**20}.get(t[-1:], 1)
+    try:
+        value = float(t[:-1] if scale > 1 else t) * scale
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < low or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= {low}; use e.g. 4096, 64K "
+                                         "or 1M")
+    return int(value)
+
+
+def at_least(low: int):
+    """An argparse type: a whole number >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
+        return value
+    return parse
+
+
+def positive_number(text: str) -> float:
+    """An argparse type: a finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
+    return value
+
+
+def parse_depths(text: str) -> list[float]:
+    """'0,0.5,1' -> [0.0, 0.5, 1.0]: needle depths, each a number from 0 (start) to 1 (end)."""
+    try:
+        depths = [float(x) for x in text.split(",")]
+    except ValueError:
+        depths = [math.nan]
+    if not all(0 <= d <= 1 for d in depths):
+        raise argparse.ArgumentTypeError(f"{text!r} must be depths from 0 (start) to 1 (end), e.g. 0,0.5,1")
+    return depths
 
 
 def cmd_train(args) -> None:
@@ -48,9 +92,12 @@ def parse_bytes(text: str) -> int:
     for unit in sorted(units, key=len, reverse=True):
         if t.endswith(unit):
             try:
-                return int(float(t[: -len(unit)]) * units[unit])
+                value = float(t[: -len(unit)]) * units[unit]
             except ValueError:
                 break
+            if math.isfinite(value) and value >= 0:
+                return int(value)
+            break
     raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 139.8GiB, 512MiB or 80GB")
 
 
@@ -64,7 +111,7 @@ def cmd_plan(args) -> None:
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     trainable = lora_params(config, args.lora_rank, args.tp) if args.lora_rank else None
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
-    given = {"chunk_size": None if args.chunk_size == "auto" else int(args.chunk_size),
+    given = {"chunk_size": None if args.chunk_size == "auto" else args.chunk_size,
              "kv_grad_dtype": {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.kv_grad_dtype],
              "checkpoint_layers": args.checkpoint_layers}
     free = tuple(k for k in AUTO_FIELDS if given[k] is None)  # as oomb train chooses them (oomb.auto)
@@ -168,12 +215,16 @@ def cmd_eval(args) -> None:
     from .eval import plots, tasks
     from .models.rope import check_positions
     from .presets import load_model
-    from .train.data import load_tokens
+    from .train.data import check_token_suffix, load_tokens
     from .train.metrics import ChunkBars
+    from .train.outputs import make_folder
     from .train.trainer import codec_for, resolve_device, sparse_config
 
     if args.task not in EVAL_TASKS:
         raise ValueError(f"--task {args.task!r} is not one of {', '.join(EVAL_TASKS)}")
+    check_token_suffix(args.data, "--data")
+    if args.plot:  # its folder now: the evaluation's result is not lost to a missing one
+        make_folder(os.path.dirname(args.plot), f"--plot {args.plot}")
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)  # a preset's random weights, the same every run
@@ -191,8 +242,7 @@ def cmd_eval(args) -> None:
         if args.task == "loss":
             result = tasks.mean_loss(engine, eval_batches(args, vocab), bar)
         elif args.task == "position-loss":
-            starts = [parse_tokens(x) for x in args.buckets.split(",")] if args.buckets else None
-            result = tasks.position_loss(engine, eval_batches(args, vocab), args.seq_len, starts, bar)
+            result = tasks.position_loss(engine, eval_batches(args, vocab), args.seq_len, args.buckets, bar)
         elif args.task == "selection-recall":
             result = tasks.selection_recall(engine, eval_batches(args, vocab), args.seq_len, args.recall_chunks,
                                             args.recall_blocks, args.seed, bar)
@@ -269,8 +319,7 @@ def _print_eval(r: dict) -> None:
 def cmd_corpus(args) -> None:
     from .train.corpus import build_corpus
 
-    s = build_corpus(args.output, args.roots or None, args.tokenizer, args.heldout,
-                     parse_bytes(args.max_size) if args.max_size else None)
+    s = build_corpus(args.output, args.roots or None, args.tokenizer, args.heldout, args.max_size)
     for split in ("train", "heldout"):
         print(f"{args.output}/{split}.npy: {s[split]['tokens']:,} tokens, {s[split]['documents']} packages")
 
@@ -301,10 +350,11 @@ def main(argv: list[str] | None = None) -> None:
     p_plan = sub.add_parser("plan", help="memory a training step needs, before allocating any")
     p_plan.add_argument("--model", default="qwen2.5-7b", help="preset name or local checkpoint")
     p_plan.add_argument("--seq-len", type=parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
-    p_plan.add_argument("--batch", type=int, default=1)
-    p_plan.add_argument("--chunk-size", default="auto", help="tokens, or auto (as oomb train chooses it)")
-    p_plan.add_argument("--page-size", type=int, default=128)
-    p_plan.add_argument("--group-pages", type=int, default=1024,
+    p_plan.add_argument("--batch", type=at_least(1), default=1)
+    p_plan.add_argument("--chunk-size", type=lambda t: t if t == "auto" else at_least(1)(t), default="auto",
+                        help="tokens, or auto (as oomb train chooses it)")
+    p_plan.add_argument("--page-size", type=at_least(1), default=128)
+    p_plan.add_argument("--group-pages", type=at_least(1), default=1024,
                         help="pages per attention call: a dense host layer stages this many at a time")
     p_plan.add_argument("--kv-grad-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
     p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
@@ -316,8 +366,8 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--keep-attention", action="store_true",
                         help="stage 1 keeps the attention outputs for stage 2 (as many layers' as fit beside the "
                              "pages on the GPU, the others in pinned host memory)")
-    p_plan.add_argument("--lora-rank", type=int, default=0, help="LoRA on attention, base frozen (0: full)")
-    p_plan.add_argument("--sparse-budget", type=int, default=0,
+    p_plan.add_argument("--lora-rank", type=at_least(0), default=0, help="LoRA on attention, base frozen (0: full)")
+    p_plan.add_argument("--sparse-budget", type=at_least(0), default=0,
                         help="> 0: top-k sparse attention (its page representatives and kept selections)")
     p_plan.add_argument("--optimizer", choices=["adamw", "adamw8bit", "none"], default="adamw",
                         help="adamw: two bf16 moments (4 B per parameter); adamw8bit: 8-bit moments (2 B); "
@@ -325,9 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     p_plan.add_argument("--param-grad-dtype", choices=["float32", "param"], default="float32",
                         help="what the parameters' chunk gradients are summed in (the trainer's default: float32; "
                              "param: the weights' bf16, as the engine's default)")
-    p_plan.add_argument("--tp", type=int, default=1,
+    p_plan.add_argument("--tp", type=at_least(1), default=1,
                         help="tensor-parallel ranks sharing each layer's heads, KV pages and MLP: per-GPU plan")
-    p_plan.add_argument("--dp", type=int, default=1,
+    p_plan.add_argument("--dp", type=at_least(1), default=1,
                         help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
     p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")
     p_plan.add_argument("--host-memory", type=parse_bytes, default=parse_bytes("110GiB"),
@@ -344,43 +394,46 @@ def main(argv: list[str] | None = None) -> None:
                              "(retrieval: the text the needles hide in)")
     p_eval.add_argument("--data-dtype", choices=BIN_DTYPES, default="uint16", help="of a .bin file's token ids")
     p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
-    p_eval.add_argument("--batches", type=int, default=4, help="evaluate calls (token files: windows / --batch)")
-    p_eval.add_argument("--batch", type=int, default=1, help="sequences per evaluate call")
-    p_eval.add_argument("--chunk-size", type=int, default=1024)
-    p_eval.add_argument("--page-size", type=int, default=128)
+    p_eval.add_argument("--batches", type=at_least(1), default=4, help="evaluate calls (token files: windows / --batch)")
+    p_eval.add_argument("--batch", type=at_least(1), default=1, help="sequences per evaluate call")
+    p_eval.add_argument("--chunk-size", type=at_least(1), default=1024)
+    p_eval.add_argument("--page-size", type=at_least(1), default=128)
     p_eval.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
     p_eval.add_argument("--offload", choices=["none", "all", "auto"], default="auto",
                         help="where K/V pages live (auto: the GPU while they fit, then the host)")
-    p_eval.add_argument("--sparse-budget", type=int, default=0, help="> 0: top-k sparse attention over this many pages")
-    p_eval.add_argument("--sparse-chunk-budget", type=int, default=0, help="0: max(256, --sparse-budget)")
-    p_eval.add_argument("--sparse-sink-pages", type=int, default=1)
+    p_eval.add_argument("--sparse-budget", type=at_least(0), default=0,
+                        help="> 0: top-k sparse attention over this many pages")
+    p_eval.add_argument("--sparse-chunk-budget", type=at_least(0), default=0, help="0: max(256, --sparse-budget)")
+    p_eval.add_argument("--sparse-sink-pages", type=at_least(0), default=1)
     p_eval.add_argument("--sparse-representative", choices=["mean", "minmax"], default="mean")
     p_eval.add_argument("--sparse-dense-layers", default="", help="layers attending densely among top-k ones, e.g. -2,-1")
-    p_eval.add_argument("--rope-theta", type=float, default=None, help="a new RoPE base (context extension)")
+    p_eval.add_argument("--rope-theta", type=positive_number, default=None,
+                        help="a new RoPE base (context extension)")
     p_eval.add_argument("--rope-scaling", default="", help="TYPE:FACTOR, TYPE one of linear, dynamic, yarn, llama3")
-    p_eval.add_argument("--buckets", default="", help="position-loss: bucket starts, e.g. 0,1024,4096 (default: "
-                                                      "0 and powers of two up to seq_len)")
+    p_eval.add_argument("--buckets", type=lambda t: [parse_tokens(x, low=0) for x in t.split(",")], default=None,
+                        help="position-loss: bucket starts, e.g. 0,1024,4096 (default: 0 and powers of two up to "
+                             "seq_len)")
     p_eval.add_argument("--lengths", type=lambda t: [parse_tokens(x) for x in t.split(",")], default=[4096],
                         help="retrieval: context lengths, e.g. 16K,64K,256K")
-    p_eval.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0, 0.25, 0.5, 0.75, 1],
+    p_eval.add_argument("--depths", type=parse_depths, default=[0, 0.25, 0.5, 0.75, 1],
                         help="retrieval: needle depths (0: start, 1: end)")
-    p_eval.add_argument("--samples", type=int, default=4, help="retrieval: sequences per (length, depth)")
+    p_eval.add_argument("--samples", type=at_least(1), default=4, help="retrieval: sequences per (length, depth)")
     p_eval.add_argument("--needle-template", default=DEFAULT_TEMPLATE,
                         help="retrieval: the needle, with {key} then {value}; the query is its text up to {value}")
     p_eval.add_argument("--tokenizer", default="", help="retrieval: 'bytes' or a checkpoint (default: the model's)")
-    p_eval.add_argument("--recall-keys", type=int, default=256, help="kv-recall: key ids (as oomb train's)")
-    p_eval.add_argument("--recall-values", type=int, default=256, help="kv-recall: value ids (chance: 1 / values)")
-    p_eval.add_argument("--recall-first-id", type=int, default=None,
+    p_eval.add_argument("--recall-keys", type=at_least(2), default=256, help="kv-recall: key ids (as oomb train's)")
+    p_eval.add_argument("--recall-values", type=at_least(2), default=256, help="kv-recall: value ids (chance: 1 / values)")
+    p_eval.add_argument("--recall-first-id", type=at_least(0), default=None,
                         help="kv-recall: the first key id (default: the top of the vocabulary, as oomb train's)")
-    p_eval.add_argument("--recall-pairs", type=int, default=64, help="kv-recall: pairs in each sequence")
-    p_eval.add_argument("--queries", type=int, default=256, help="kv-recall: queries in each distance bucket")
+    p_eval.add_argument("--recall-pairs", type=at_least(1), default=64, help="kv-recall: pairs in each sequence")
+    p_eval.add_argument("--queries", type=at_least(1), default=256, help="kv-recall: queries in each distance bucket")
     p_eval.add_argument("--distance-buckets", default="",
                         help="kv-recall: needle-to-query distance edges, e.g. 0,4K,16K,32K,64K (default: 0, 4K, "
                              "16K, 32K, then doubling, up to seq_len); pairs within one chunk are a bucket of their own")
-    p_eval.add_argument("--recall-chunks", type=int, default=8, help="selection-recall: chunks sampled per sequence")
-    p_eval.add_argument("--recall-blocks", type=int, default=4, help="selection-recall: query blocks per chunk")
+    p_eval.add_argument("--recall-chunks", type=at_least(1), default=8, help="selection-recall: chunks sampled per sequence")
+    p_eval.add_argument("--recall-blocks", type=at_least(1), default=4, help="selection-recall: query blocks per chunk")
     p_eval.add_argument("--device", default="auto")
-    p_eval.add_argument("--seed", type=int, default=1)
+    p_eval.add_argument("--seed", type=at_least(0), default=1)
     p_eval.add_argument("--json", action="store_true", help="the result as one JSON object, the last line of stdout")
     p_eval.add_argument("--plot", default="", help="write a PNG of the result here")
     p_eval.set_defaults(func=cmd_eval)
@@ -390,7 +443,8 @@ def main(argv: list[str] | None = None) -> None:
     p_corpus.add_argument("--roots", nargs="*", default=[], help="package directories (default: site-packages)")
     p_corpus.add_argument("--tokenizer", default="bytes", help="'bytes' (byte-level) or a checkpoint's tokenizer")
     p_corpus.add_argument("--heldout", type=float, default=0.1, help="share of packages held out (by name hash)")
-    p_corpus.add_argument("--max-size", default="", help="text to take for training, e.g. 300MiB (default: all)")
+    p_corpus.add_argument("--max-size", type=parse_bytes, default=None,
+                          help="text to take for training, e.g. 300MiB (default: all)")
     p_corpus.set_defaults(func=cmd_corpus)
 
     p_tok = sub.add_parser("tokenize", help="text or chat records -> a document file (.npy token ids) for --data")

@@ -17,6 +17,8 @@ Launch: `torchrun --nproc-per-node N -m oomb.cli train --tp T ...` (README).
 """
 from __future__ import annotations
 
+import math
+
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -154,7 +156,9 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, tp_group=None) -> float:
     """torch.nn.utils.clip_grad_norm_ for a mix of tensor-parallel (sharded DTensor) and
-    replicated gradients: shards' squares are summed over the TP group, replicas counted once."""
+    replicated gradients: shards' squares are summed over the TP group, replicas counted once.
+    max_norm 0: no clipping, as transformers' max_grad_norm=0; the norm is returned all the same."""
+    max_norm = max_norm or math.inf
     grads = [p.grad for p in params if p.grad is not None]
     if not any(is_dtensor(g) for g in grads):
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm))

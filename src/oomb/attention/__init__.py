@@ -64,7 +64,20 @@ def resolve_backend(backend: str, device: torch.device, kernels: KernelOptions |
         raise ValueError(f"backend={backend!r} is not one of {BACKENDS}; 'auto' picks triton on CUDA, torch elsewhere")
     if backend == "auto":
         backend = "triton" if device.type == "cuda" else "torch"
+    if backend == "triton" and device.type != "cuda" and not _interpreted():
+        raise ValueError(f"backend='triton' runs CUDA kernels and this run is on {device}; use backend 'torch' "
+                         "(--backend torch, or auto: torch off CUDA)")
     return Backend(backend, kernels, device)
+
+
+def _interpreted() -> bool:
+    """Triton runs its kernels through its interpreter, on CPU tensors (TRITON_INTERPRET=1, as the
+    CPU tests set it)."""
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton at all
+        return False
+    return bool(knobs.runtime.interpret)
 
 
 def _backend(backend) -> Backend:

@@ -11,6 +11,7 @@ built, so the model's own rotary embedding computes them and `save_pretrained` k
 """
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 
@@ -36,8 +37,9 @@ class RopeScaling:
         except ValueError:
             raise ValueError(f"--rope-scaling {text!r}: FACTOR must be a number and ORIGINAL_LENGTH an integer, "
                              "e.g. yarn:4:32768") from None
-        if factor <= 1.0:
-            raise ValueError(f"--rope-scaling {text!r}: FACTOR={factor:g} must be > 1 (it extends the context)")
+        if not math.isfinite(factor) or factor <= 1.0:
+            raise ValueError(f"--rope-scaling {text!r}: FACTOR={factor:g} must be > 1 and finite (it extends the "
+                             "context by that much), e.g. yarn:4")
         if original is not None and original < 1:
             raise ValueError(f"--rope-scaling {text!r}: ORIGINAL_LENGTH must be a positive number of tokens")
         return cls(parts[0], factor, original)
@@ -56,8 +58,9 @@ def apply_rope(config, theta: float | None = None, scaling: str | None = None, f
         raise ValueError(f"{type(config).__name__} has no single rope_parameters dict (per-layer RoPE); "
                          "--rope-theta / --rope-scaling are not supported for it")
     if theta is not None:
-        if theta <= 0:
-            raise ValueError(f"--rope-theta {theta:g} must be > 0")
+        if not math.isfinite(theta) or theta <= 0:
+            raise ValueError(f"--rope-theta {theta:g} must be > 0 and finite: the new RoPE base, e.g. 8x the "
+                             f"model's {params.get('rope_theta', 10_000):g}")
         params["rope_theta"] = float(theta)
     if scaling:
         s = RopeScaling.parse(scaling)

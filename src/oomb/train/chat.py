@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import numpy as np
 
+ROLES = ("system", "user", "assistant")  # the roles every chat template renders
+
 
 def check_messages(messages, where: str) -> None:
     """A non-empty list of {role, content} dicts with at least one assistant turn."""
@@ -44,6 +46,12 @@ def render_chat(tok, messages: list[dict], where: str) -> tuple[list[int], np.nd
             raise ValueError(f"{where}: the chat template fails on messages[:{len(turns)}]: {e}") from None
 
     text = render(messages, False)
+    for i, m in enumerate(messages):  # a role the template does not know may vanish from its text, untrained
+        content = m["content"].strip() if isinstance(m["content"], str) else ""
+        if m["role"] not in ROLES and content and content not in text:
+            raise ValueError(f"{where}: messages[{i}] has role {m['role']!r}, which the chat template leaves out (its "
+                             f"content is not in the rendered text); use one of {', '.join(ROLES)} or a role the "
+                             "template renders (e.g. tool)")
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":

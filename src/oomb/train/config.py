@@ -1,13 +1,34 @@
 """Trainer settings: one plain dataclass, defaults that run the embedded demo on a CPU."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
-from .data import BIN_DTYPES
+from ..models.rope import RopeScaling
+from .data import BIN_DTYPES, check_token_suffix
 from .needles import DEFAULT_TEMPLATE
 
 OPTIMIZERS = ("adamw", "adamw8bit")
+
+#: integer settings and their least value ('auto' chunk_size aside)
+INT_FIELDS = {"seq_len": 2, "batch": 1, "grad_accum": 1, "steps": 1, "warmup_steps": 0, "chunk_size": 1,
+              "page_size": 1, "group_pages": 1, "sparse_budget": 0, "sparse_chunk_budget": 0, "sparse_sink_pages": 0,
+              "needles_per_sequence": 1, "loss_last": 0, "tp": 1, "lora_rank": 0, "save_every": 0, "log_every": 1,
+              "max_bad_steps": 1, "eval_every": 0, "eval_batches": 1, "seed": 0, "save_total_limit": 0,
+              "recall_pairs": 0, "recall_keys": 2, "recall_values": 2}
+#: real-valued settings: (least value, whether it is excluded, what the value means); None stays unset for the
+#: optional ones (rope_theta, kept_host_gib)
+FLOAT_FIELDS = {
+    "lr": (0.0, True, "the peak learning rate, e.g. 3e-4"),
+    "weight_decay": (0.0, False, "AdamW's decoupled weight decay, e.g. 0.1 (0: none)"),
+    "grad_clip": (0.0, False, "the largest gradient norm, e.g. 1.0 (0: no clipping, the norm still logged)"),
+    "needle_rate": (0.0, False, "the share of sequences with needles, at most 1"),
+    "lora_alpha": (0.0, True, "LoRA's scale numerator (the adapters are scaled by lora_alpha / lora_rank), e.g. 16"),
+    "rope_theta": (0.0, True, "the new RoPE base, e.g. 8x the model's"),
+    "kept_host_gib": (0.0, False, "0 keeps attention outputs on the GPU only; leave it unset for half the free "
+                                  "host memory"),
+}
 
 
 @dataclass
@@ -130,23 +151,31 @@ class TrainConfig:
             if not self.chunk_size.isdigit():
                 raise ValueError(f"chunk_size={self.chunk_size!r} must be 'auto' or a number of tokens (e.g. 4096)")
             self.chunk_size = int(self.chunk_size)
-        checks = [("seq_len", self.seq_len, 2), ("batch", self.batch, 1), ("grad_accum", self.grad_accum, 1),
-                  ("steps", self.steps, 1),
-                  ("chunk_size", 1 if self.chunk_size == "auto" else self.chunk_size, 1), ("page_size", self.page_size, 1),
-                  ("group_pages", self.group_pages, 1),
-                  ("log_every", self.log_every, 1), ("max_bad_steps", self.max_bad_steps, 1),
-                  ("lora_rank", self.lora_rank, 0), ("tp", self.tp, 1),
-                  ("save_every", self.save_every, 0), ("save_total_limit", self.save_total_limit, 0),
-                  ("warmup_steps", self.warmup_steps, 0),
-                  ("sparse_budget", self.sparse_budget, 0), ("recall_pairs", self.recall_pairs, 0),
-                  ("eval_every", self.eval_every, 0), ("eval_batches", self.eval_batches, 1)]
-        for name, value, low in checks:
+        for name, low in INT_FIELDS.items():
+            value = getattr(self, name)
+            if name == "chunk_size" and value == "auto":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name}={value!r} must be a whole number >= {low}")
             if value < low:
                 raise ValueError(f"{name}={value} must be >= {low}")
+        if self.seed >= 2**63:
+            raise ValueError(f"seed={self.seed} must be < 2**63 (torch's and numpy's generators take 64-bit seeds)")
+        for name, (low, strict, fix) in FLOAT_FIELDS.items():
+            value = getattr(self, name)
+            if value is None and name in ("rope_theta", "kept_host_gib"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value < low or (strict and value == low):
+                raise ValueError(f"{name}={value!r} must be {'>' if strict else '>='} {low:g} and finite: {fix}")
+        if self.lr * self.weight_decay >= 1:
+            raise ValueError(f"weight_decay={self.weight_decay:g} with lr={self.lr:g}: AdamW multiplies every weight by "
+                             f"1 - lr x weight_decay = {1 - self.lr * self.weight_decay:g} each step, which must stay "
+                             "above 0; lower --weight-decay (typical: 0.1)")
         if self.sparse_budget and 0 < self.sparse_chunk_budget < self.sparse_budget:
             raise ValueError(f"sparse_chunk_budget={self.sparse_chunk_budget} must be >= sparse_budget="
                              f"{self.sparse_budget}")
-        if self.needle_rate < 0 or self.needle_rate > 1:
+        if self.needle_rate > 1:
             raise ValueError(f"needle_rate={self.needle_rate} must be between 0 and 1 (the share of sequences with "
                              "needles)")
         if self.recall_pairs and self.needle_rate:
@@ -158,17 +187,15 @@ class TrainConfig:
         if self.recall_pairs and 4 * self.recall_pairs > self.seq_len // 2:
             raise ValueError(f"recall_pairs={self.recall_pairs} take {4 * self.recall_pairs} tokens, more than half "
                              f"of seq_len={self.seq_len}: use fewer pairs")
-        if not 0 <= self.loss_last < self.seq_len:
+        if self.loss_last >= self.seq_len:
             raise ValueError(f"loss_last={self.loss_last} must be >= 0 and < seq_len={self.seq_len} (0: every token "
                              "carries loss)")
-        if self.rope_theta is not None and self.rope_theta <= 0:
-            raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
+        if self.rope_scaling:
+            RopeScaling.parse(self.rope_scaling)  # its form and factor, before anything is built
+        check_token_suffix(self.data, "--data")
+        if self.eval_data:
+            check_token_suffix(self.eval_data, "--eval-data")
         self.needle_template = self.needle_template.replace("\\n", "\n")  # as typed on a command line
-        if self.lr <= 0:
-            raise ValueError(f"lr={self.lr} must be > 0")
-        if self.kept_host_gib is not None and self.kept_host_gib < 0:
-            raise ValueError(f"kept_host_gib={self.kept_host_gib} must be >= 0 (0: keep attention outputs on the GPU "
-                             "only; leave it unset for half the free host memory)")
         if self.kv_grad_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be auto, float32 or bfloat16")
         if self.offload not in ("auto", "none", "all"):

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from .needles import make_codec
+from .outputs import make_folder
 
 HEADER = "# ==== {path} ====\n"
 SKIP_DIRS = {"__pycache__", "tests", "test"}
@@ -80,6 +81,7 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
     missing = [str(r) for r in roots if not r.is_dir()]
     if missing:
         raise ValueError(f"--roots {missing[0]!r} is not a directory")
+    out = make_folder(output, f"--output {output}")  # before the packages are read and tokenised
     codec = make_codec(tokenizer)
     found = packages(roots)
     if not found:
@@ -106,8 +108,6 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
     if not splits["train"] or not splits["heldout"]:
         raise ValueError(f"{len(found)} packages gave {len(splits['train'])} training and {len(splits['heldout'])} "
                          "held-out documents; both are needed: add --roots or change --heldout")
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
     top = max(int(a.max()) for part in splits.values() for a in part)
     dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
     summary = {"tokenizer": codec.name, "separator": codec.eos, "heldout_fraction": heldout,

@@ -23,6 +23,7 @@ import torch
 from .recall import RecallMix
 
 BIN_DTYPES = ("uint16", "uint32", "int32")
+TOKEN_SUFFIXES = (".npy", ".bin")  # oomb tokenize's ids, raw ids (nanoGPT's format)
 
 
 def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -37,9 +38,19 @@ def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Itera
         yield ids, ids
 
 
+def check_token_suffix(source: str, what: str = "") -> None:
+    """Refuse, by its name, a source that is neither 'copy' nor a token file (.npy, .bin): text
+    or records, whose bytes are no token ids. what: the flag that named it ('--data')."""
+    if source != "copy" and Path(source).suffix not in TOKEN_SUFFIXES:
+        raise ValueError(f"{what + ' ' if what else ''}{source} is not a token file (.npy or .bin) nor 'copy'; "
+                         f"tokenise it first: oomb tokenize {source} --model MODEL --output "
+                         f"{Path(source).with_suffix('.npy')} (it reads .txt, .jsonl, .json, .parquet)")
+
+
 def read_tokens(path: str | Path, dtype: str = "uint16") -> np.ndarray:
     """A token file as a read-only 1-D array, checked to be whole integer token ids."""
     path = Path(path)
+    check_token_suffix(str(path))
     if path.suffix == ".npy":
         data = np.load(path, mmap_mode="r")
         if data.ndim != 1 or data.dtype.kind not in "iu":
@@ -60,6 +71,10 @@ def open_tokens(path: str | Path, vocab_size: int, dtype: str = "uint16") -> np.
     """A token file as a read-only 1-D array, checked: whole tokens, ids < vocab_size."""
     path = Path(path)
     data = read_tokens(path, dtype)
+    if data.dtype.kind == "i" and len(data) and int(data.min()) < 0:
+        at = int(np.argmax(data < 0))
+        raise ValueError(f"{path} has token id {int(data[at]):,} < 0 at index {at:,}: token ids are >= 0; it holds "
+                         "something else than token ids (oomb tokenize writes them)")
     top = int(data.max()) if len(data) else -1
     if top >= vocab_size:
         hint = " or the file holds uint32 ids: use --data-dtype uint32" if path.suffix != ".npy" else ""

@@ -117,6 +117,11 @@ def open_documents(path: str, vocab_size: int) -> Documents:
         if mask.dtype != bool or mask.shape != ids.shape:
             raise ValueError(f"{sibling(path, 'mask')} holds a {mask.dtype} array of shape {mask.shape}; a bool "
                              f"array as long as the {len(ids):,} ids is expected{rewrite}")
+    if ids.dtype.kind == "i" and len(ids) and int(ids.min()) < 0:
+        at = int(np.argmax(ids < 0))
+        d = int(np.searchsorted(starts, at, side="right")) - 1
+        raise ValueError(f"{path}: document {d:,} (from token {int(starts[d]):,}) has token id {int(ids[at]):,} < 0: "
+                         "token ids are >= 0; run oomb tokenize again")
     if len(ids) and int(ids.max()) >= vocab_size:
         at = int(np.argmax(ids >= vocab_size))
         d = int(np.searchsorted(starts, at, side="right")) - 1

@@ -17,6 +17,7 @@ import numpy as np
 from .. import presets
 from .chat import render_chat
 from .documents import sibling, write_documents
+from .outputs import make_folder
 
 FORMATS = ".txt, .jsonl, .json, .parquet or a directory written by datasets' save_to_disk"
 
@@ -116,6 +117,7 @@ def tokenize(model: str, inputs: list[str], output: str, text_field: str = "text
     chat). Returns counts: tokens, documents, chats, trained (tokens)."""
     if not output.endswith(".npy"):
         raise ValueError(f"--output {output!r}: token files are written as .npy (their dtype travels with them)")
+    make_folder(Path(output).parent, f"--output {output}")  # before the tokenising, not after it
     tok = load_tokenizer(model)
     dtype = np.uint16 if len(tok) <= 2**16 else np.uint32
     pieces, masks, chats = [], [], 0

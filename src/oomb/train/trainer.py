@@ -26,6 +26,7 @@ from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_n
 from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
+from .checks import check_finite_weights, check_model_fits, resume_note, weight_dtype
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
@@ -51,9 +52,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
-             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
-    model = load_model(cfg.model, dtype=dtype, device=device, rope_theta=cfg.rope_theta,
+    model = load_model(cfg.model, dtype=weight_dtype(cfg, device), device=device, rope_theta=cfg.rope_theta,
                        rope_scaling=cfg.rope_scaling or None)
     check_positions(model.config, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
     model.train()
@@ -380,6 +379,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device()) if distributed and torch.cuda.is_available() \
         else resolve_device("cpu" if distributed else cfg.device)
+    check_model_fits(cfg, device, dp_size)
     model = build_model(cfg, device)
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
@@ -418,6 +418,8 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     step = checkpoint.load(cfg.resume, model, optimizer, scheduler, cfg) if cfg.resume else 0
+    if cfg.resume and rank0 and (note := resume_note(cfg, optimizer, scheduler)):
+        print(note, flush=True)
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
         next(data)
 
@@ -458,6 +460,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
 
     def save(step: int) -> str:
         if step not in saved:  # a signal right after a scheduled save reuses it
+            check_finite_weights(model, step, losses, cfg)
             path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
             saved[step] = str(path)
             if rank0:
@@ -561,6 +564,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     if interrupt.requested:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.saves:
+        check_finite_weights(model, step, losses, cfg)
         path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
         if rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
