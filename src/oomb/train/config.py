@@ -1,6 +1,7 @@
 """Trainer settings: one plain dataclass, defaults that run the embedded demo on a CPU."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
@@ -75,6 +76,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
+    # seconds a collective waits for the other ranks before the run fails (a rank died or hangs); more than the
+    # longest a checkpoint takes to write (rank 0 writes the model while the others wait)
+    process_group_timeout: float = 600.0
     # adamw: torch's (moments in the weights' dtype); adamw8bit: torchao's AdamW8bit, 8-bit moments (2 B per
     # parameter) and bf16 weights stochastically rounded, so updates below half a bf16 step are kept on average
     optimizer: str = "adamw"
@@ -142,6 +146,8 @@ class TrainConfig:
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
         self.needle_template = self.needle_template.replace("\\n", "\n")  # as typed on a command line
+        if not 0 < self.process_group_timeout < math.inf:
+            raise ValueError(f"process_group_timeout={self.process_group_timeout} must be a number of seconds > 0")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.kept_host_gib is not None and self.kept_host_gib < 0:

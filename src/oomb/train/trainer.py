@@ -339,7 +339,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     distributed = world_size() > 1
     if cfg.tp > 1 and not distributed:
         raise ValueError(f"tp={cfg.tp} needs {cfg.tp} processes: launch with torchrun --nproc-per-node {cfg.tp} ...")
-    mesh = init_distributed(cfg.tp) if distributed else None
+    mesh = init_distributed(cfg.tp, cfg.process_group_timeout) if distributed else None
     dp_group = mesh["dp"].get_group() if mesh is not None else None
     dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
     rank0 = not distributed or dist.get_rank() == 0
