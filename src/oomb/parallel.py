@@ -77,6 +77,15 @@ def init_distributed(tp: int = 1, timeout_s: float = 600.0) -> DeviceMesh:
                                  mesh_dim_names=("dp", "tp"))
 
 
+def host_group(timeout_s: float = 600.0):
+    """Every rank, for a flag all-reduced on the host every chunk (the stop agreement): the world
+    group under gloo; beside NCCL a gloo group, so that reading the result never waits for the
+    GPU (an NCCL result is read after the GPU has run everything queued before it)."""
+    if dist.get_backend() == "gloo":
+        return None  # torch.distributed's name for the world group
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split every decoder layer's attention heads and MLP columns over `tp_mesh` (in place)."""
     adapter = adapter_for(model)

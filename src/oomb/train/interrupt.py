@@ -1,10 +1,12 @@
 """Preemption: SIGTERM (a scheduler's) or SIGINT (Ctrl-C) stops a run at a clean point.
 
-The first signal is only noted: the trainer abandons the step in progress at its next chunk
-boundary (one process), or all ranks finish the step and agree to stop (torch.distributed: one
-collective a step), then writes a checkpoint of the last finished step and exits with 128 + the
-signal's number (143 for SIGTERM). A second signal exits at once; checkpoints are written to a
-temporary directory and renamed, so none is ever half-written.
+The first signal is only noted: the trainer abandons the step in progress at the next chunk
+boundary, writes a checkpoint of the last finished step and exits with 128 + the signal's number
+(143 for SIGTERM). Under torch.distributed the ranks agree on that boundary: after every chunk
+pass each rank all-reduces a flag (one int32 on the host, gloo) and reads the one of the pass
+before, so all of them abandon the step after the same pass, even when the signal reached one
+rank only. A second signal exits at once; checkpoints are written to a temporary directory and
+renamed, so none is ever half-written.
 """
 from __future__ import annotations
 
@@ -13,9 +15,12 @@ import signal
 import sys
 import threading
 
+import torch
+import torch.distributed as dist
+
 
 class StepAbandoned(Exception):
-    """Raised inside a step (from the engine's progress callback) when a signal asks to stop."""
+    """Raised inside a step (from the engine's progress callback) when the ranks agree to stop."""
 
 
 class TrainingStopped(Exception):
@@ -28,6 +33,7 @@ class Interrupt:
     def __init__(self, announce: bool = True) -> None:
         self.signum: int | None = None
         self.announce = announce
+        self._pending = None  # the flag's all-reduce sent at the last agreed()
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # handlers can only be set there
             for s in self.SIGNALS:
@@ -40,6 +46,24 @@ class Interrupt:
         if self.announce:
             print(f"\noomb train: {signal.Signals(signum).name} received: stopping at the next clean point and "
                   "writing a checkpoint (send it again to exit at once)", file=sys.stderr, flush=True)
+
+    def agreed(self, group=None) -> bool:
+        """Whether to stop now: a signal here, or under torch.distributed on any rank, agreed by an
+        all-reduce of a host flag over `group` (gloo: host_group()). The flag sent at one call is
+        read at the next, so that ranks up to a call apart do not wait for each other: every rank
+        gets the same answer at the same call, one call after the signal."""
+        if not dist.is_initialized():
+            return self.requested
+        sent = torch.tensor([int(self.requested)], dtype=torch.int32)
+        pending, self._pending = self._pending, (dist.all_reduce(sent, op=dist.ReduceOp.MAX, group=group,
+                                                                 async_op=True), sent)
+        if pending is None:
+            return False
+        pending[0].wait()
+        stop = bool(pending[1].item())
+        if stop and not self.requested:  # another rank's signal: stop with it
+            self.signum = signal.SIGTERM
+        return stop
 
     @property
     def requested(self) -> bool:

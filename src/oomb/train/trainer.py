@@ -5,7 +5,6 @@ import gc
 import math
 import os
 import shlex
-import signal
 import sys
 import time
 import warnings
@@ -21,7 +20,7 @@ from ..engine import ChunkRecurrentEngine
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
-                        init_distributed, local_tensor, local_world_size, world_size)
+                        host_group, init_distributed, local_tensor, local_world_size, world_size)
 from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
@@ -237,18 +236,6 @@ def lost_update_fraction(params: list, lr: float) -> float:
     return int(frozen) / total  # one device sync
 
 
-def _stop_requested(interrupt: Interrupt, distributed: bool, device: torch.device) -> bool:
-    """Whether to stop after this step: a signal here, or (torch.distributed) on any rank, agreed by
-    one collective so that every rank stops after the same step."""
-    if not distributed:
-        return interrupt.requested
-    flag = torch.tensor([float(interrupt.requested)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and not interrupt.requested:  # another rank's signal: stop with it
-        interrupt.signum = signal.SIGTERM
-    return bool(flag.item())
-
-
 def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, rank0: bool,
                        distributed: bool) -> None:
     """After a signal: a checkpoint of the last finished step, how to resume, exit 128 + signal."""
@@ -413,6 +400,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     interrupt = Interrupt(announce=rank0)
+    stop_group = host_group(cfg.process_group_timeout) if distributed else None
 
     saved = {}
 
@@ -426,11 +414,13 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     def progress_of(bar):
         def progress(done: int, total: int) -> None:
             bar(done, total)
-            if interrupt.requested and not distributed:  # one process: stop now, between two chunks
+            if interrupt.agreed(stop_group):  # every rank after the same chunk pass: stop now
                 raise StepAbandoned
         return progress
 
-    losses, bad = [], 0
+    # stopped: the ranks agreed to stop (a signal after the last agreement is not acted on by its rank alone:
+    # the ranks would part at the next collective)
+    losses, bad, stopped = [], 0, False
     try:
         while step < cfg.steps:
             micro = [next(data) for _ in range(cfg.grad_accum)]
@@ -468,8 +458,9 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                     choice = replan_after_oom(cfg, model, device, choice, optimizer, oom)
                     engine = ChunkRecurrentEngine(model, choice.engine)
                     engine.reserve(cfg.batch, cfg.seq_len)
-            except StepAbandoned:
+            except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
                 optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+                stopped = True
                 break
             all_reduce_gradients(model, dp_group)
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
@@ -509,11 +500,12 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                     logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
             if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
                 save(step)
-            if _stop_requested(interrupt, distributed, device):
+            if interrupt.agreed(stop_group):  # a signal after the step's last chunk pass
+                stopped = True
                 break
     finally:
         interrupt.restore()
-    if interrupt.requested:
+    if stopped:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.saves:
         path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
