@@ -169,6 +169,50 @@ def test_a_signal_on_one_rank_stops_every_rank_and_every_group_has_the_timeout(t
                                                          "timeouts": {"world": 60, "dp": 60, "tp": 60}}
 
 
+def test_shutdown_timeout_exits_when_the_stop_takes_too_long(monkeypatch, capsys):
+    """--shutdown-timeout: the time a stop gets from the signal; past it the run says so, naming its
+    newest checkpoint, and exits with 128 + signal (before torchrun's SIGKILL could). The measured
+    pass and checkpoint times warn once, ahead, when a stop could not fit."""
+    interrupt = Interrupt(shutdown_timeout_s=25)
+    interrupt.restore()
+    interrupt.check_time(pass_s=0.3, passes=3, save_s=20)
+    assert "warning" not in capsys.readouterr().err
+    interrupt.check_time(pass_s=0.3, passes=3, save_s=43)
+    interrupt.check_time(pass_s=0.3, passes=3, save_s=43)
+    assert capsys.readouterr().err.count("warning: a stop on SIGTERM could take 44 s here (3 chunk passes of 0.3 s, "
+                                         "a checkpoint of 43 s), more than --shutdown-timeout 25") == 1
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    interrupt = Interrupt(shutdown_timeout_s=0.2)
+    try:
+        interrupt.newest_checkpoint = "runs/a/step-000007"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        assert exits == [128 + signal.SIGTERM]
+        assert ("SIGTERM 0.2 s ago and the checkpoint is not written (--shutdown-timeout): exiting without it; the "
+                "newest checkpoint is runs/a/step-000007") in capsys.readouterr().err
+    finally:
+        interrupt.restore()
+    exits.clear()
+    interrupt = Interrupt(shutdown_timeout_s=0.2)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        interrupt.disarm()  # the checkpoint was written in time
+        time.sleep(0.5)
+        assert exits == []
+    finally:
+        interrupt.restore()
+
+
+def test_shutdown_and_process_group_timeouts_are_checked():
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"shutdown_timeout=.* must be a number of seconds >= 0 \(0: no limit\)"):
+            TrainConfig(shutdown_timeout=bad)
+    for bad in (0, float("nan")):
+        with pytest.raises(ValueError, match=r"process_group_timeout=.* must be a number of seconds > 0"):
+            TrainConfig(process_group_timeout=bad)
+
+
 def test_checkpoint_integrity_names_the_damaged_file(tmp_path):
     train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, offload="all"))
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -93,6 +93,9 @@ class TrainConfig:
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
     save: bool = True  # False: no checkpoints and no final model, only metrics.jsonl (a benchmark's run)
     resume: str = ""  # a checkpoint directory written by this trainer
+    # seconds from SIGTERM/SIGINT in which the run stops at a chunk boundary and writes its checkpoint, else exits
+    # without it (torchrun sends SIGKILL 30 s after it forwards SIGTERM); 0: no limit
+    shutdown_timeout: float = 25.0
     log_every: int = 1
     max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
     eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
@@ -146,6 +149,8 @@ class TrainConfig:
         if self.rope_theta is not None and self.rope_theta <= 0:
             raise ValueError(f"rope_theta={self.rope_theta} must be > 0")
         self.needle_template = self.needle_template.replace("\\n", "\n")  # as typed on a command line
+        if not 0 <= self.shutdown_timeout < math.inf:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be a number of seconds >= 0 (0: no limit)")
         if not 0 < self.process_group_timeout < math.inf:
             raise ValueError(f"process_group_timeout={self.process_group_timeout} must be a number of seconds > 0")
         if self.lr <= 0:

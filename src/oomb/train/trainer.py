@@ -16,7 +16,7 @@ import torch.distributed as dist
 from ..attention.sparse import TopKPages
 from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
-from ..engine import ChunkRecurrentEngine
+from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
@@ -252,6 +252,7 @@ def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, 
             why = "no --output-dir" if not cfg.output_dir else "--no-save" if not cfg.save else "no step had finished"
             print(f"oomb train: stopped by {interrupt.name} after step {step} of {cfg.steps}; no checkpoint ({why})",
                   flush=True)
+    interrupt.disarm()
     if distributed:
         dist.destroy_process_group()
     raise SystemExit(interrupt.exit_code())
@@ -399,14 +400,19 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
-    interrupt = Interrupt(announce=rank0)
+    interrupt = Interrupt(announce=rank0, shutdown_timeout_s=cfg.shutdown_timeout)
     stop_group = host_group(cfg.process_group_timeout) if distributed else None
-
-    saved = {}
+    # a stop waits for the chunk pass in progress and, on a GPU, for those queued ahead of it
+    stop_passes = 1 + (HOST_LEAD_CHUNKS if device.type == "cuda" else 0)
+    saved, save_s = {}, 0.0
 
     def save(step: int) -> str:
+        nonlocal save_s
         if step not in saved:  # a signal right after a scheduled save reuses it
+            t0 = time.perf_counter()
             saved[step] = str(checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0))
+            save_s = time.perf_counter() - t0
+            interrupt.newest_checkpoint = saved[step]
             if rank0:
                 print(f"saved {saved[step]}", flush=True)
         return saved[step]
@@ -477,6 +483,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            step_s = time.perf_counter() - t0
             step += 1
             losses.append(loss)
             if rank0 and not finite:
@@ -484,7 +491,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                       f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
                 logger.log_skipped(step, loss, grad_norm, bad)
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, time.perf_counter() - t0,
+                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, step_s,
                            float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
                            # the layers whose pages offload put on the host: what a soak run exercised
                            {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
@@ -500,6 +507,9 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
                     logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0)
             if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
                 save(step)
+            if len(losses) > 1:  # the run's first step compiles and warms up: not a pass's time
+                passes = cfg.grad_accum * (2 * -(-cfg.seq_len // engine.chunk_size) - 1)  # the step's chunk passes
+                interrupt.check_time(step_s / passes, stop_passes, save_s)
             if interrupt.agreed(stop_group):  # a signal after the step's last chunk pass
                 stopped = True
                 break
