@@ -175,11 +175,11 @@ def test_shutdown_timeout_exits_when_the_stop_takes_too_long(monkeypatch, capsys
     pass and checkpoint times warn once, ahead, when a stop could not fit."""
     interrupt = Interrupt(shutdown_timeout_s=25)
     interrupt.restore()
-    interrupt.check_time(pass_s=0.3, passes=3, save_s=20)
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=20)
     assert "warning" not in capsys.readouterr().err
-    interrupt.check_time(pass_s=0.3, passes=3, save_s=43)
-    interrupt.check_time(pass_s=0.3, passes=3, save_s=43)
-    assert capsys.readouterr().err.count("warning: a stop on SIGTERM could take 44 s here (3 chunk passes of 0.3 s, "
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=43)
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=43)
+    assert capsys.readouterr().err.count("warning: a stop on SIGTERM could take 44 s here (4 chunk passes of 0.3 s, "
                                          "a checkpoint of 43 s), more than --shutdown-timeout 25") == 1
     exits = []
     monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))

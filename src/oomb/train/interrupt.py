@@ -87,7 +87,8 @@ class Interrupt:
 
     def check_time(self, pass_s: float, passes: int, save_s: float) -> None:
         """Says once when a stop could outlast shutdown_timeout_s: `passes` chunk passes of pass_s
-        (the one in progress, and those queued ahead of the GPU) and a checkpoint of save_s."""
+        (the one in progress, the next, as agreed() reads the flag a pass late, and those queued
+        ahead of the GPU) and a checkpoint of save_s."""
         stop_s = passes * pass_s + save_s
         if self._warned or not self.shutdown_timeout_s or stop_s <= self.shutdown_timeout_s:
             return

@@ -402,8 +402,9 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     tp_group = mesh["tp"].get_group() if mesh is not None else None
     interrupt = Interrupt(announce=rank0, shutdown_timeout_s=cfg.shutdown_timeout)
     stop_group = host_group(cfg.process_group_timeout) if distributed else None
-    # a stop waits for the chunk pass in progress and, on a GPU, for those queued ahead of it
-    stop_passes = 1 + (HOST_LEAD_CHUNKS if device.type == "cuda" else 0)
+    # a stop waits for the chunk pass in progress, the next (Interrupt.agreed reads the flag a pass late) and,
+    # on a GPU, those queued ahead of it
+    stop_passes = 2 + (HOST_LEAD_CHUNKS if device.type == "cuda" else 0)
     saved, save_s = {}, 0.0
 
     def save(step: int) -> str:
