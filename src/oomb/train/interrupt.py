@@ -5,12 +5,11 @@ boundary, writes a checkpoint of the last finished step and exits with 128 + the
 (143 for SIGTERM). Under torch.distributed the ranks agree on that boundary: after every chunk
 pass each rank all-reduces a flag (one int32 on the host, gloo) and reads the one of the pass
 before, so all of them abandon the step after the same pass, even when the signal reached one
-rank only. torchrun sends SIGKILL 30 s
-after it forwards SIGTERM: `shutdown_timeout_s` (--shutdown-timeout, 25 s) is the time the stop
-gets. The run says once, from its measured chunk pass and checkpoint times, when a stop could
-take longer; and when the time is up before the checkpoint is written, it says so and exits
-without it. A second signal exits at once; checkpoints are written to a temporary directory and
-renamed, so none is ever half-written.
+rank only. torchrun sends SIGKILL 30 s after it forwards SIGTERM: `shutdown_timeout_s`
+(--shutdown-timeout, 25 s) is the time the stop gets. The run says once, from its measured chunk
+pass and checkpoint times, when a stop could take longer; and when the time is up before the
+checkpoint is written, it says so and exits without it. A second signal exits at once;
+checkpoints are written to a temporary directory and renamed, so none is ever half-written.
 """
 from __future__ import annotations
 
