@@ -2,6 +2,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -79,6 +80,53 @@ def test_resumed_run_on_the_gpu_equals_the_uninterrupted_one(tmp_path):
     assert resumed == ref
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(*args):
+    """`torchrun --nproc-per-node 2 -m oomb.cli train *args` on gloo (CPU), one thread a rank."""
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "src"), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                             str(free_port()), "-m", "oomb.cli", "train", *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_sigterm_under_torchrun_stops_both_ranks_mid_step_and_resumes_exactly(tmp_path):
+    """torchrun forwards SIGTERM to the ranks and kills them 30 s later. Sent a quarter into step
+    2 (31 chunk passes), the two data-parallel ranks agree on a chunk boundary of that step,
+    abandon it, checkpoint step 1 and exit within seconds; resumed, the run's losses equal an
+    uninterrupted run's, bit for bit. Without the agreement after each chunk pass the ranks
+    would finish step 2 first."""
+    args = ["--steps", "2", "--seq-len", "2048", "--chunk-size", "128", "--page-size", "64", "--backend", "torch",
+            "--lr", "1e-2"]
+    run = torchrun(*args, "--output-dir", str(tmp_path / "run"))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while not (metrics.exists() and metrics.read_text().endswith("\n")):
+        assert run.poll() is None and time.time() < deadline, run.communicate()
+        time.sleep(0.02)
+    time.sleep(json.loads(metrics.read_text())["step_s"] / 4)  # into step 2
+    sent = time.monotonic()
+    run.send_signal(signal.SIGTERM)
+    out, err = run.communicate(timeout=60)
+    stop_s = time.monotonic() - sent
+    ckpt = tmp_path / "run" / "step-000001"
+    assert f"stopped by SIGTERM after step 1 of 2; checkpoint {ckpt}" in out, (out, err)
+    assert stop_s < 15, stop_s  # torchrun's SIGKILL comes at 30 s
+    assert sorted(losses(tmp_path / "run")) == [1] and (ckpt / "manifest.json").is_file()
+    assert "forcefully exiting via SIGKILL" not in err
+    resumed = torchrun(*args, "--output-dir", str(tmp_path / "run"), "--resume", str(ckpt))
+    reference = torchrun(*args, "--output-dir", str(tmp_path / "ref"))
+    for p in (resumed, reference):
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+    ref = losses(tmp_path / "ref")
+    assert sorted(ref) == [1, 2] and losses(tmp_path / "run") == ref
+
+
 def test_second_signal_exits_at_once(monkeypatch):
     exits = []
     monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
@@ -91,6 +139,78 @@ def test_second_signal_exits_at_once(monkeypatch):
     finally:
         interrupt.restore()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _agreement_worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    from oomb.parallel import host_group, init_distributed
+
+    mesh = init_distributed(timeout_s=60)
+    groups = {"world": torch.distributed.group.WORLD, "dp": mesh["dp"].get_group(), "tp": mesh["tp"].get_group()}
+    timeouts = {name: g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for name, g in groups.items()}
+    interrupt = Interrupt(announce=False)
+    answers = [interrupt.agreed(host_group())]
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGTERM)  # this rank only
+    answers += [interrupt.agreed(host_group()), interrupt.agreed(host_group())]
+    interrupt.restore()
+    torch.save({"answers": answers, "signal": interrupt.name, "timeouts": timeouts}, f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_a_signal_on_one_rank_stops_every_rank_and_every_group_has_the_timeout(tmp_path):
+    """The stop flag is all-reduced: a rank that got no signal stops with the one that did, at the
+    same call, the one after the signal's (each call reads the flag the one before sent). Every
+    process group (the mesh's too) has --process-group-timeout, not torch's default."""
+    import torch.multiprocessing as mp
+    mp.spawn(_agreement_worker, args=(free_port(), str(tmp_path / "rank")), nprocs=2, join=True)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"rank.{rank}") == {"answers": [False, False, True], "signal": "SIGTERM",
+                                                         "timeouts": {"world": 60, "dp": 60, "tp": 60}}
+
+
+def test_shutdown_timeout_exits_when_the_stop_takes_too_long(monkeypatch, capsys):
+    """--shutdown-timeout: the time a stop gets from the signal; past it the run says so, naming its
+    newest checkpoint, and exits with 128 + signal (before torchrun's SIGKILL could). The measured
+    pass and checkpoint times warn once, ahead, when a stop could not fit."""
+    interrupt = Interrupt(shutdown_timeout_s=25)
+    interrupt.restore()
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=20)
+    assert "warning" not in capsys.readouterr().err
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=43)
+    interrupt.check_time(pass_s=0.3, passes=4, save_s=43)
+    assert capsys.readouterr().err.count("warning: a stop on SIGTERM could take 44 s here (4 chunk passes of 0.3 s, "
+                                         "a checkpoint of 43 s), more than --shutdown-timeout 25") == 1
+    exits = []
+    monkeypatch.setattr(os, "_exit", lambda code: exits.append(code))
+    interrupt = Interrupt(shutdown_timeout_s=0.2)
+    try:
+        interrupt.newest_checkpoint = "runs/a/step-000007"
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+        assert exits == [128 + signal.SIGTERM]
+        assert ("SIGTERM 0.2 s ago and the checkpoint is not written (--shutdown-timeout): exiting without it; the "
+                "newest checkpoint is runs/a/step-000007") in capsys.readouterr().err
+    finally:
+        interrupt.restore()
+    exits.clear()
+    interrupt = Interrupt(shutdown_timeout_s=0.2)
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        interrupt.disarm()  # the checkpoint was written in time
+        time.sleep(0.5)
+        assert exits == []
+    finally:
+        interrupt.restore()
+
+
+def test_shutdown_and_process_group_timeouts_are_checked():
+    for bad in (-1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"shutdown_timeout=.* must be a number of seconds >= 0 \(0: no limit\)"):
+            TrainConfig(shutdown_timeout=bad)
+    for bad in (0, float("nan")):
+        with pytest.raises(ValueError, match=r"process_group_timeout=.* must be a number of seconds > 0"):
+            TrainConfig(process_group_timeout=bad)
 
 
 def test_checkpoint_integrity_names_the_damaged_file(tmp_path):

@@ -43,6 +43,7 @@ from .placement import PlacementInput, human_bytes, place
 from .plan import gpu_margin, kept_attention_bytes, plan
 
 HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
+HOST_LEAD_CHUNKS = 2  # chunk passes the host queues ahead of the GPU (_HostLead)
 
 
 @dataclass
@@ -668,7 +669,7 @@ class _HostLead:
     event per chunk, not per page.
     """
 
-    def __init__(self, device: torch.device, depth: int = 2) -> None:
+    def __init__(self, device: torch.device, depth: int = HOST_LEAD_CHUNKS) -> None:
         self.cuda = device.type == "cuda"
         self.depth = depth
         self.events: deque = deque()

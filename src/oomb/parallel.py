@@ -21,6 +21,7 @@ import math
 
 import os
 import sys
+from datetime import timedelta
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +53,10 @@ def local_world_size() -> int:
     return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def init_distributed(tp: int = 1) -> DeviceMesh:
-    """Process group from torchrun's environment and a (dp, tp) mesh over all ranks."""
+def init_distributed(tp: int = 1, timeout_s: float = 600.0) -> DeviceMesh:
+    """Process group from torchrun's environment and a (dp, tp) mesh over all ranks. A
+    collective that waits timeout_s for the other ranks fails the run (a rank died or hangs)
+    instead of waiting for ever; every group of the run has that timeout."""
     world = world_size()
     if world % tp:
         raise ValueError(f"--tp {tp} does not divide the {world} processes; use a divisor of {world}")
@@ -62,12 +65,27 @@ def init_distributed(tp: int = 1) -> DeviceMesh:
     if cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
     if not dist.is_initialized():
         # device_id binds NCCL to this rank's GPU (without it NCCL guesses from the global rank)
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device)
-    from torch.distributed.device_mesh import init_device_mesh
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device, timeout=timeout)
+    from torch.distributed.device_mesh import DeviceMesh
 
-    return init_device_mesh("cuda" if cuda else "cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    # The mesh's groups made here: init_device_mesh gives new (gloo) groups torch's default timeout.
+    ranks = torch.arange(world).reshape(world // tp, tp)  # (dp, tp)
+    tp_group, _ = dist.new_subgroups_by_enumeration(ranks.tolist(), timeout=timeout)
+    dp_group, _ = dist.new_subgroups_by_enumeration(ranks.T.tolist(), timeout=timeout)
+    return DeviceMesh.from_group([dp_group, tp_group], "cuda" if cuda else "cpu", mesh=ranks,
+                                 mesh_dim_names=("dp", "tp"))
+
+
+def host_group(timeout_s: float = 600.0):
+    """Every rank, for a flag all-reduced on the host every chunk (the stop agreement): the world
+    group under gloo; beside NCCL a gloo group, so that reading the result never waits for the
+    GPU (an NCCL result is read after the GPU has run everything queued before it)."""
+    if dist.get_backend() == "gloo":
+        return None  # torch.distributed's name for the world group
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:

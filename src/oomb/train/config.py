@@ -102,6 +102,9 @@ class TrainConfig:
     dtype: str = "auto"  # auto (bf16 on CUDA, fp32 on CPU) | float32 | bfloat16
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     tp: int = 1  # tensor-parallel degree (under torchrun; the other factor of the world size is data parallel)
+    # seconds a collective waits for the other ranks before the run fails (a rank died or hangs); more than the
+    # longest a checkpoint takes to write (rank 0 writes the model while the others wait)
+    process_group_timeout: float = 600.0
     # adamw: torch's (moments in the weights' dtype); adamw8bit: torchao's AdamW8bit, 8-bit moments (2 B per
     # parameter) and bf16 weights stochastically rounded, so updates below half a bf16 step are kept on average
     optimizer: str = "adamw"
@@ -122,6 +125,9 @@ class TrainConfig:
     # a checkpoint directory written by this trainer; 'latest': the newest verified one in output_dir;
     # 'auto': that, or step 0 when there is none
     resume: str = ""
+    # seconds from SIGTERM/SIGINT in which the run stops at a chunk boundary and writes its checkpoint, else exits
+    # without it (torchrun sends SIGKILL 30 s after it forwards SIGTERM); 0: no limit
+    shutdown_timeout: float = 25.0
     log_every: int = 1
     max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
     eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
@@ -196,6 +202,10 @@ class TrainConfig:
         if self.eval_data:
             check_token_suffix(self.eval_data, "--eval-data")
         self.needle_template = self.needle_template.replace("\\n", "\n")  # as typed on a command line
+        if not 0 <= self.shutdown_timeout < math.inf:
+            raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be a number of seconds >= 0 (0: no limit)")
+        if not 0 < self.process_group_timeout < math.inf:
+            raise ValueError(f"process_group_timeout={self.process_group_timeout} must be a number of seconds > 0")
         if self.kv_grad_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be auto, float32 or bfloat16")
         if self.offload not in ("auto", "none", "all"):

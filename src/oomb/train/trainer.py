@@ -5,7 +5,6 @@ import gc
 import math
 import os
 import shlex
-import signal
 import sys
 import time
 import warnings
@@ -18,11 +17,11 @@ import torch.distributed as dist
 from ..attention.sparse import TopKPages
 from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
-from ..engine import ChunkRecurrentEngine
+from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
-                        init_distributed, local_tensor, local_world_size, world_size)
+                        host_group, init_distributed, local_tensor, local_world_size, world_size)
 from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
@@ -239,18 +238,6 @@ def lost_update_fraction(params: list, lr: float) -> float:
     return int(frozen) / total  # one device sync
 
 
-def _stop_requested(interrupt: Interrupt, distributed: bool, device: torch.device) -> bool:
-    """Whether to stop after this step: a signal here, or (torch.distributed) on any rank, agreed by
-    one collective so that every rank stops after the same step."""
-    if not distributed:
-        return interrupt.requested
-    flag = torch.tensor([float(interrupt.requested)], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    if flag.item() and not interrupt.requested:  # another rank's signal: stop with it
-        interrupt.signum = signal.SIGTERM
-    return bool(flag.item())
-
-
 def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, rank0: bool,
                        distributed: bool) -> None:
     """After a signal: a checkpoint of the last finished step, how to resume, exit 128 + signal."""
@@ -267,6 +254,7 @@ def _stopped_by_signal(interrupt: Interrupt, cfg: TrainConfig, step: int, save, 
             why = "no --output-dir" if not cfg.output_dir else "--no-save" if not cfg.save else "no step had finished"
             print(f"oomb train: stopped by {interrupt.name} after step {step} of {cfg.steps}; no checkpoint ({why})",
                   flush=True)
+    interrupt.disarm()
     if distributed:
         dist.destroy_process_group()
     raise SystemExit(interrupt.exit_code())
@@ -362,7 +350,7 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     distributed = world_size() > 1
     if cfg.tp > 1 and not distributed:
         raise ValueError(f"tp={cfg.tp} needs {cfg.tp} processes: launch with torchrun --nproc-per-node {cfg.tp} ...")
-    mesh = init_distributed(cfg.tp) if distributed else None
+    mesh = init_distributed(cfg.tp, cfg.process_group_timeout) if distributed else None
     rank0 = not distributed or dist.get_rank() == 0
     cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
     try:
@@ -454,15 +442,22 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
         truncate_metrics(metrics, step)
     logger = StepLogger(cfg.steps, device, metrics=metrics)
     tp_group = mesh["tp"].get_group() if mesh is not None else None
-    interrupt = Interrupt(announce=rank0)
-
-    saved = {}
+    interrupt = Interrupt(announce=rank0, shutdown_timeout_s=cfg.shutdown_timeout)
+    stop_group = host_group(cfg.process_group_timeout) if distributed else None
+    # a stop waits for the chunk pass in progress, the next (Interrupt.agreed reads the flag a pass late) and,
+    # on a GPU, those queued ahead of it
+    stop_passes = 2 + (HOST_LEAD_CHUNKS if device.type == "cuda" else 0)
+    saved, save_s = {}, 0.0
 
     def save(step: int) -> str:
+        nonlocal save_s
         if step not in saved:  # a signal right after a scheduled save reuses it
             check_finite_weights(model, step, losses, cfg)
+            t0 = time.perf_counter()
             path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
             saved[step] = str(path)
+            save_s = time.perf_counter() - t0
+            interrupt.newest_checkpoint = saved[step]
             if rank0:
                 print(f"saved {path}", flush=True)
             if rank0 and cfg.save_total_limit:  # only after the new one is in place and verified
@@ -473,11 +468,13 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     def progress_of(bar):
         def progress(done: int, total: int) -> None:
             bar(done, total)
-            if interrupt.requested and not distributed:  # one process: stop now, between two chunks
+            if interrupt.agreed(stop_group):  # every rank after the same chunk pass: stop now
                 raise StepAbandoned
         return progress
 
-    losses, bad = [], 0
+    # stopped: the ranks agreed to stop (a signal after the last agreement is not acted on by its rank alone:
+    # the ranks would part at the next collective)
+    losses, bad, stopped = [], 0, False
     try:
         while step < cfg.steps:
             micro = [next(data) for _ in range(cfg.grad_accum)]
@@ -515,8 +512,9 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
                     choice = replan_after_oom(cfg, model, device, choice, optimizer, oom)
                     engine = ChunkRecurrentEngine(model, choice.engine)
                     engine.reserve(cfg.batch, cfg.seq_len)
-            except StepAbandoned:
+            except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
                 optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+                stopped = True
                 break
             all_reduce_gradients(model, dp_group)
             grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
@@ -533,6 +531,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
             optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+            step_s = time.perf_counter() - t0
             step += 1
             losses.append(loss)
             if rank0 and not finite:
@@ -540,7 +539,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
                       f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
                 logger.log_skipped(step, loss, grad_norm, bad)
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, time.perf_counter() - t0,
+                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, step_s,
                            float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
                            # the layers whose pages offload put on the host: what a soak run exercised
                            {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
@@ -557,11 +556,15 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
                     logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0, recall)
             if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
                 save(step)
-            if _stop_requested(interrupt, distributed, device):
+            if len(losses) > 1:  # the run's first step compiles and warms up: not a pass's time
+                passes = cfg.grad_accum * (2 * -(-cfg.seq_len // engine.chunk_size) - 1)  # the step's chunk passes
+                interrupt.check_time(step_s / passes, stop_passes, save_s)
+            if interrupt.agreed(stop_group):  # a signal after the step's last chunk pass
+                stopped = True
                 break
     finally:
         interrupt.restore()
-    if interrupt.requested:
+    if stopped:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.saves:
         check_finite_weights(model, step, losses, cfg)
