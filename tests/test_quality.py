@@ -1,4 +1,4 @@
-"""bench/quality.py --smoke: every arm of the study and every evaluation, tiny, on CPU; then --report."""
+"""bench/quality.py --smoke: every arm of the recall study and every evaluation, tiny, on CPU; then --report."""
 import json
 import os
 import subprocess
@@ -14,19 +14,30 @@ def test_quality_study_smoke_and_report(tmp_path):
     run = [sys.executable, script, "--smoke", "--work", str(tmp_path / "work"), "--results", str(results)]
     subprocess.run(run, check=True, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    arms = {"dense-64k", "topk64-64k", "topk16-64k", "base-8k", "ext-dense", "ext-topk64", "ext-tail-dense",
-            "ext-tail-topk64", "ext-tail-topk64-d2"}
+    arms = {"base-4k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
     assert {r["arm"] for r in rows if r["kind"] == "trained"} == arms
     evals = [r for r in rows if r["kind"] == "eval"]
-    assert {r["task"] for r in evals} == {"position-loss", "retrieval", "selection-recall"}
+    assert {r["task"] for r in evals} == {"kv-recall", "loss"}
     # each arm read with its own attention and with the other
-    assert {(r["arm"], r["attention"]) for r in evals if r["task"] == "position-loss"} >= {
-        ("dense-64k", "dense"), ("dense-64k", "top-64"), ("topk64-64k", "top-64"), ("topk64-64k", "dense")}
-    tail = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "ext-tail-topk64-d2")["config"]
-    assert tail["loss_last"] > 0 and tail["sparse_dense_layers"] == "-2,-1" and tail["rope_theta"] > 10_000
+    assert {(r["arm"], r["attention"]) for r in evals if r["task"] == "kv-recall"} >= {
+        ("dense-64k", "dense"), ("dense-64k", "top-64"), ("topk64-64k", "top-64"), ("topk64-64k", "dense"),
+        ("neg-64k", "top-1"), ("topk16-d01-64k", "top-16 (layers 0,1 dense)")}
+    recall = next(r for r in evals if r["arm"] == "neg-64k" and r["attention"] == "top-1")
+    assert [b["bucket"] for b in recall["buckets"]] == ["same chunk", "0-256", "256-1K"]
+    assert all(b["queries"] == 4 for b in recall["buckets"]) and recall["hit_rate"]
+    base = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "base-4k")["config"]
+    dense = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "dense-64k")["config"]
+    assert base["seq_len"] == 256 and base["rope_theta"] > 10_000 and dense["model"].endswith("base-4k/final")
+    assert any("eval_recall" in r for r in rows if r["kind"] == "train")  # the learning curve
     # resumable: a second run finds every arm done and computes nothing
     again = subprocess.run(run, check=True, env=env, capture_output=True, text=True)
-    assert "9 of 9 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
+    assert "6 of 6 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
+    pilot = {"study": "recall-pilot", "variant": "F", "step": 100, "eval_loss": 1.0, "eval_recall": {"same chunk": 0.1},
+             "config": {"start": "from scratch", "seq_len": 128, "batch": 128, "recall_pairs": 12, "recall_keys": 256,
+                        "recall_values": 256, "lr": 1e-3}, "commit": "abc1234", "date": "2026-12-04"}
+    with results.open("a") as f:
+        f.write(json.dumps(pilot) + "\n")
+        f.write(json.dumps({**pilot, "variant": "G", "config": {**pilot["config"], "start": "from F's final"}}) + "\n")
     doc = tmp_path / "docs" / "quality.md"
     doc.parent.mkdir()
     doc.write_text("# Quality\n\nhand-written findings\n")
@@ -34,7 +45,8 @@ def test_quality_study_smoke_and_report(tmp_path):
                    env=env, capture_output=True)
     page = doc.read_text()
     assert page.startswith("# Quality\n\nhand-written findings\n")  # kept
-    for heading in ("### Arms", "### Held-out loss", "### Retrieval by length", "### Top-k selection recall"):
+    for heading in ("### The pilot", "### Arms of the study", "### Recall by needle-to-query distance",
+                    "### Needle-page hit rate", "### Held-out loss"):
         assert heading in page
-    for png in ("quality_training.png", "quality_position_loss.png", "quality_retrieval.png", "quality_recall.png"):
-        assert (doc.parent / png).read_bytes()[:4] == b"\x89PNG" and f"]({png})" in page
+    assert "| neg-64k | top-1 |" in page
+    assert (doc.parent / "quality_pilot.png").read_bytes()[:4] == b"\x89PNG" and "](quality_pilot.png)" in page

@@ -191,7 +191,7 @@ def test_train_with_recall_pairs_logs_accuracy_by_bucket(tmp_path):
     recall = [r["eval_recall"] for r in rows if "eval_recall" in r]
     assert len(recall) == 1 and set(recall[0]) == {"same chunk", "0-256"} and recall[0]
     with pytest.raises(ValueError, match="reserves"):  # text that uses the reserved ids
-        cfg.data = str(tmp_path / "bad.npy")
+        cfg.data, cfg.output_dir = str(tmp_path / "bad.npy"), str(tmp_path / "run2")
         np.save(cfg.data, np.full(1000, 260, np.uint16))
         train(cfg)
 

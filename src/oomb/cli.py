@@ -276,8 +276,7 @@ def kv_recall(args, engine, vocab: int, bar) -> dict:
     from .train.recall import RecallTask, default_edges, evaluation_sequences
 
     task = RecallTask(args.recall_keys, args.recall_values, args.recall_first_id)
-    edges = ([parse_tokens(x) for x in args.distance_buckets.split(",")] if args.distance_buckets
-             else default_edges(args.seq_len))
+    edges = args.distance_buckets or default_edges(args.seq_len)
     haystack = None
     if args.data != "copy":
         haystack = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
@@ -427,7 +426,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="kv-recall: the first key id (default: the top of the vocabulary, as oomb train's)")
     p_eval.add_argument("--recall-pairs", type=at_least(1), default=64, help="kv-recall: pairs in each sequence")
     p_eval.add_argument("--queries", type=at_least(1), default=256, help="kv-recall: queries in each distance bucket")
-    p_eval.add_argument("--distance-buckets", default="",
+    p_eval.add_argument("--distance-buckets", type=lambda t: [parse_tokens(x, 0) for x in t.split(",")], default=None,
                         help="kv-recall: needle-to-query distance edges, e.g. 0,4K,16K,32K,64K (default: 0, 4K, "
                              "16K, 32K, then doubling, up to seq_len); pairs within one chunk are a bucket of their own")
     p_eval.add_argument("--recall-chunks", type=at_least(1), default=8, help="selection-recall: chunks sampled per sequence")
