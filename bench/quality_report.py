@@ -43,7 +43,7 @@ class Rows:
 
 
 def pilot_table(r: Rows) -> list[str]:
-    out = ["| design | start | sequence x batch | pairs a sequence | key / value ids (chance) | lr | steps | "
+    out = ["| design | start | sequence x batch | pairs a sequence | key / value ids (chance) | lr | last evaluated step | "
            "held-out recall at the last step (same chunk; others) | commit, date |",
            "|---|---|---|---|---|---|---|---|---|"]
     for v, rows in sorted(r.pilot.items()):
