@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import profiled, record, run_info  # noqa: E402
+from common import profiled, record, run_info, torchrun_device  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
@@ -57,13 +57,8 @@ def main() -> None:
                     "(then: python bench/trace_gaps.py DIR)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "parallel.jsonl"))
     args = ap.parse_args()
-    if "WORLD_SIZE" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 4 bench/bench_parallel.py --tp 4")
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit("bench_parallel.py needs CUDA GPUs (or --device cpu --model tiny for a gloo smoke run)")
-    if not cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU tensors even on a GPU machine
+    cuda = torchrun_device(args.device, "torchrun --nproc-per-node 4 bench/bench_parallel.py --tp 4",
+                           "or --device cpu --model tiny for a gloo smoke run")
     mesh = init_distributed(args.tp)
     world, rank = dist.get_world_size(), dist.get_rank()
     dp_group = mesh["dp"].get_group()

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import record, run_info  # noqa: E402
+from common import record, run_info, torchrun_device  # noqa: E402
 
 import oomb  # noqa: E402
 from oomb.cli import parse_tokens  # noqa: E402
@@ -43,13 +43,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: gloo, CPU processes")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "stop.jsonl"))
     args = ap.parse_args()
-    if "WORLD_SIZE" not in os.environ:
-        sys.exit("launch with torchrun, e.g. torchrun --nproc-per-node 2 bench/bench_stop.py --device cpu")
-    cuda = args.device == "cuda"
-    if cuda and not torch.cuda.is_available():
-        sys.exit("--device cuda needs CUDA GPUs (or --device cpu: gloo on CPU processes)")
-    if not cuda:
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU tensors even on a GPU machine
+    cuda = torchrun_device(args.device, "torchrun --nproc-per-node 2 bench/bench_stop.py --device cpu",
+                           "or --device cpu: gloo on CPU processes")
     mesh = init_distributed()
     dp_group, group = mesh["dp"].get_group(), host_group()
     rank, world = dist.get_rank(), dist.get_world_size()

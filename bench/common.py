@@ -5,6 +5,7 @@ import contextlib
 import datetime
 import json
 import os
+import sys
 import subprocess
 import time
 
@@ -254,3 +255,16 @@ def warm_up(engine, tokens: int, packed_docs: int = 0) -> None:
         assert len(engine.store.host_layers) == n_host, "the warm-up placed other layers on the host"
     finally:
         engine.config = config
+
+
+def torchrun_device(device: str, launch: str, cpu_hint: str) -> bool:
+    """For a script launched by torchrun: exits with how to launch it (`launch`) or what --device cpu
+    does (`cpu_hint`) when it cannot run; hides the GPUs for a gloo run on CPU processes. True: CUDA."""
+    if "WORLD_SIZE" not in os.environ:
+        sys.exit(f"launch with torchrun, e.g. {launch}")
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        sys.exit(f"--device cuda needs CUDA GPUs ({cpu_hint})")
+    if not cuda:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # gloo on CPU tensors even on a GPU machine
+    return cuda

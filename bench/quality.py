@@ -7,9 +7,12 @@ the source code of installed packages (`oomb corpus`), each queried once later i
 the value after a query is chance (1/256) without attending to its needle. Every arm is trained
 with `oomb train`'s own trainer and read with `oomb eval`'s kv-recall task.
 
-    base-4k          dense at 4K from scratch (16 sequences a step, 32 pairs each): learns the
-                     recall mechanism and the language where sequences are cheap
-and from its final model, 64K sequences with 256 pairs each, the same data order:
+    base-128         dense, 128-token sequences from scratch (128 a step, 12 pairs each): recall
+                     is discovered where a query competes with few keys (the pilot)
+    base-1k          then 1K-token sequences (16 a step, 96 pairs each)
+    base-4k          then 4K-token sequences (4 a step, 256 pairs each), each stage at a constant
+                     learning rate from the one before's final model
+and from base-4k's final model, 64K sequences with 256 pairs each, the same data order:
     dense-64k        dense attention (the positive control)
     topk64-64k       top-k sparse attention, 64 pages (8K tokens) per query block
     topk16-64k       top-k, 16 pages
@@ -52,6 +55,22 @@ DOC = HERE.parent / "docs" / "quality.md"
 STUDY = "recall"
 
 
+@dataclass(frozen=True)
+class Stage:
+    """One stage of the dense curriculum that every 64K arm starts from (recall is discovered where
+    sequences are short, then carried to longer ones: docs/quality.md's pilot)."""
+
+    seq_len: int
+    batch: int
+    pairs: int  # recall pairs per training sequence
+    steps: int
+    lr: float
+    warmup: int
+
+
+STAGES = ("base-128", "base-1k", "base-4k")  # in order; each starts from the one before's final model
+
+
 @dataclass
 class Study:
     """The settings every arm shares (the full study; `smoke()` shrinks them)."""
@@ -60,23 +79,20 @@ class Study:
     rope_theta: float = 5e6  # a base that serves 64K ("Base of RoPE bounds context length")
     recall_keys: int = 256
     recall_values: int = 256
-    seq_len: int = 65536
-    base_len: int = 4096
-    base_batch: int = 16
+    # the curriculum (STAGES), each at a constant learning rate after its warm-up
+    stages: tuple = (Stage(128, 128, 12, 6000, 1e-3, 100), Stage(1024, 16, 96, 3000, 1e-3, 50),
+                     Stage(4096, 4, 256, 1500, 5e-4, 50))
+    seq_len: int = 65536  # the arms
     chunk_size: int = 4096
     page_size: int = 128
-    base_steps: int = 1500
-    steps: int = 200  # the 64K arms, from base-4k's final model
-    base_lr: float = 1e-3
+    steps: int = 200
     lr: float = 3e-4
-    base_warmup: int = 50
     warmup: int = 10
-    weight_decay: float = 0.1
-    base_pairs: int = 32  # recall pairs per training sequence
     pairs: int = 256
+    weight_decay: float = 0.1
     seed: int = 0
     save_every: int = 50
-    base_eval_every: int = 100
+    stage_eval_every: int = 250
     eval_every: int = 25
     eval_batches: int = 2
     corpus_bytes: int = 300 * 2**20
@@ -89,17 +105,25 @@ class Study:
     backend: str = "auto"
     budget_divisor: int = 1  # the smoke test's short sequences divide the arms' top-k budgets
 
+    def __post_init__(self) -> None:
+        self.stages = tuple(Stage(**s) if isinstance(s, dict) else s for s in self.stages)  # from a child's JSON
+        if len(self.stages) != len(STAGES):
+            raise ValueError(f"{len(self.stages)} stages for the curriculum {STAGES}")
+
+    def stage(self, name: str) -> Stage:
+        return self.stages[STAGES.index(name)]
+
     def pages(self, budget: int) -> int:
         """The top-k budget an arm's nominal one (its name's) stands for in these settings."""
         return max(1, budget // self.budget_divisor) if budget else 0
 
 
 def smoke() -> Study:
-    return Study(model="tiny-kv", recall_keys=32, recall_values=32, seq_len=1024, base_len=256, base_batch=2,
-                 chunk_size=256, page_size=64, base_steps=2, steps=2, base_warmup=1, warmup=1, base_pairs=4, pairs=8,
-                 save_every=1, base_eval_every=2, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20,
-                 edges=(0, 256, 1024), queries=4, eval_pairs=8, loss_windows=1, device="cpu", backend="torch",
-                 budget_divisor=16)
+    return Study(model="tiny-kv", recall_keys=32, recall_values=32,
+                 stages=(Stage(64, 2, 4, 2, 1e-3, 1), Stage(128, 2, 8, 2, 1e-3, 1), Stage(256, 2, 8, 2, 1e-3, 1)),
+                 seq_len=1024, chunk_size=256, page_size=64, steps=2, warmup=1, pairs=8, save_every=1,
+                 stage_eval_every=2, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20, edges=(0, 256, 1024),
+                 queries=4, eval_pairs=8, loss_windows=1, device="cpu", backend="torch", budget_divisor=16)
 
 
 @dataclass
@@ -108,7 +132,6 @@ class Arm:
     what: str
     budget: int = 0  # top-k pages (0: dense)
     dense_layers: str = ""
-    base: bool = False  # trained at base_len from scratch; the others start from base-4k's final model
     seed: int = 0  # added to the study's seed (data order): a replicate
     extra: bool = False  # a replicate: run when named in --arms (or --arms all)
 
@@ -117,8 +140,16 @@ class Arm:
         return label(self.budget, self.dense_layers)
 
     @property
+    def is_stage(self) -> bool:
+        return self.name in STAGES
+
+    @property
     def extends(self) -> str:
-        return "" if self.base else "base-4k"
+        """The arm whose final model this one starts from ('' : from scratch)."""
+        if self.is_stage:
+            i = STAGES.index(self.name)
+            return STAGES[i - 1] if i else ""
+        return STAGES[-1]
 
 
 def label(budget: int, dense_layers: str = "") -> str:
@@ -129,7 +160,9 @@ def label(budget: int, dense_layers: str = "") -> str:
 
 
 ARMS = [
-    Arm("base-4k", "dense at 4K, from scratch (the 64K arms' base)", base=True),
+    Arm("base-128", "dense, 128-token sequences, from scratch: where recall is discovered"),
+    Arm("base-1k", "dense, 1K-token sequences"),
+    Arm("base-4k", "dense, 4K-token sequences (the 64K arms' start)"),
     Arm("dense-64k", "dense (positive control)"),
     Arm("topk64-64k", "top-k 64 pages", budget=64),
     Arm("topk16-64k", "top-k 16 pages", budget=16),
@@ -162,21 +195,22 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
     from oomb.train.config import TrainConfig
 
     out = work / "arms" / arm.name
-    base = arm.base
+    if arm.is_stage:
+        st = study.stage(arm.name)
+        shape = dict(seq_len=st.seq_len, batch=st.batch, steps=st.steps, lr=st.lr, warmup_steps=st.warmup,
+                     lr_schedule="constant", recall_pairs=st.pairs, eval_every=study.stage_eval_every)
+    else:
+        shape = dict(seq_len=study.seq_len, batch=1, steps=study.steps, lr=study.lr, warmup_steps=study.warmup,
+                     recall_pairs=study.pairs, eval_every=study.eval_every)
     return TrainConfig(
         model=str(work / "arms" / arm.extends / "final") if arm.extends else study.model,
-        data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"),
-        seq_len=study.base_len if base else study.seq_len, batch=study.base_batch if base else 1,
-        steps=study.base_steps if base else study.steps, lr=study.base_lr if base else study.lr,
-        warmup_steps=study.base_warmup if base else study.warmup, weight_decay=study.weight_decay,
-        chunk_size=min(study.chunk_size, study.base_len if base else study.seq_len), page_size=study.page_size,
-        sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
-        sparse_sink_pages=1, rope_theta=study.rope_theta if base else None,
-        recall_pairs=study.base_pairs if base else study.pairs, recall_keys=study.recall_keys,
-        recall_values=study.recall_values, output_dir=str(out), save_every=study.save_every,
-        eval_every=study.base_eval_every if base else study.eval_every, eval_batches=study.eval_batches,
-        resume="auto", seed=study.seed + arm.seed, device=study.device,
-        backend=study.backend)
+        data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"), **shape,
+        weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, shape["seq_len"]),
+        page_size=study.page_size, sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
+        sparse_sink_pages=1, rope_theta=None if arm.extends else study.rope_theta,
+        recall_keys=study.recall_keys, recall_values=study.recall_values, output_dir=str(out),
+        save_every=study.save_every, eval_batches=study.eval_batches, resume="auto", seed=study.seed + arm.seed,
+        device=study.device, backend=study.backend)
 
 
 def evaluations(arm: Arm) -> list[tuple[str, int, str]]:
@@ -360,14 +394,11 @@ def main() -> None:
     parser.add_argument("--results", default=str(RESULTS))
     parser.add_argument("--jobs", type=int, default=len(ARMS), help="arms at once (0: in this process)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="start no arm after this many seconds")
-    parser.add_argument("--base-steps", type=int, default=0, help="override base-4k's steps")
     parser.add_argument("--steps", type=int, default=0, help="override the 64K arms' steps")
     parser.add_argument("--report", action="store_true", help="write docs/quality.md and its plots from --results")
     parser.add_argument("--doc", default=str(DOC), help="the page --report writes (its plots beside it)")
     args = parser.parse_args()
     study = smoke() if args.smoke else Study()
-    if args.base_steps:
-        study.base_steps = args.base_steps
     if args.steps:
         study.steps = args.steps
     work, results = Path(args.work), Path(args.results)

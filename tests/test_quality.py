@@ -14,7 +14,7 @@ def test_quality_study_smoke_and_report(tmp_path):
     run = [sys.executable, script, "--smoke", "--work", str(tmp_path / "work"), "--results", str(results)]
     subprocess.run(run, check=True, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    arms = {"base-4k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
+    arms = {"base-128", "base-1k", "base-4k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
     assert {r["arm"] for r in rows if r["kind"] == "trained"} == arms
     evals = [r for r in rows if r["kind"] == "eval"]
     assert {r["task"] for r in evals} == {"kv-recall", "loss"}
@@ -25,13 +25,15 @@ def test_quality_study_smoke_and_report(tmp_path):
     recall = next(r for r in evals if r["arm"] == "neg-64k" and r["attention"] == "top-1")
     assert [b["bucket"] for b in recall["buckets"]] == ["same chunk", "0-256", "256-1K"]
     assert all(b["queries"] == 4 for b in recall["buckets"]) and recall["hit_rate"]
-    base = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "base-4k")["config"]
-    dense = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "dense-64k")["config"]
-    assert base["seq_len"] == 256 and base["rope_theta"] > 10_000 and dense["model"].endswith("base-4k/final")
+    config = {r["arm"]: r["config"] for r in rows if r["kind"] == "trained"}
+    assert config["base-128"]["rope_theta"] > 10_000 and config["base-128"]["lr_schedule"] == "constant"
+    assert [config[a]["seq_len"] for a in ("base-128", "base-1k", "base-4k", "dense-64k")] == [64, 128, 256, 1024]
+    assert config["base-1k"]["model"].endswith("base-128/final") and config["dense-64k"]["model"].endswith(
+        "base-4k/final")
     assert any("eval_recall" in r for r in rows if r["kind"] == "train")  # the learning curve
     # resumable: a second run finds every arm done and computes nothing
     again = subprocess.run(run, check=True, env=env, capture_output=True, text=True)
-    assert "6 of 6 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
+    assert "8 of 8 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
     pilot = {"study": "recall-pilot", "variant": "F", "step": 100, "eval_loss": 1.0, "eval_recall": {"same chunk": 0.1},
              "config": {"start": "from scratch", "seq_len": 128, "batch": 128, "recall_pairs": 12, "recall_keys": 256,
                         "recall_values": 256, "lr": 1e-3}, "commit": "abc1234", "date": "2026-12-04"}

@@ -568,3 +568,15 @@ def test_a_cuda_device_gets_its_index(monkeypatch):
     assert resolve_device("auto") == torch.device("cpu")
     with pytest.raises(ValueError, match="CUDA is not available here; use --device cpu"):
         resolve_device("cuda")
+
+
+def test_lr_schedules():
+    """Warm-up, then cosine to 10 % of the peak by the last step, or the peak throughout."""
+    from oomb.train.trainer import lr_lambda
+
+    cosine = lr_lambda(TrainConfig(steps=10, warmup_steps=2))
+    assert [round(cosine(s), 6) for s in (0, 1, 2, 6, 10)] == [round(1 / 3, 6), round(2 / 3, 6), 1.0, 0.55, 0.1]
+    constant = lr_lambda(TrainConfig(steps=10, warmup_steps=2, lr_schedule="constant"))
+    assert [constant(s) for s in range(2, 11)] == [1.0] * 9 and constant(0) == cosine(0)
+    with pytest.raises(ValueError, match="lr_schedule='linear' must be one of cosine, constant"):
+        TrainConfig(lr_schedule="linear")

@@ -81,7 +81,7 @@ def resume_note(cfg: TrainConfig, optimizer: torch.optim.Optimizer, scheduler) -
         kept.append(f"lr={lr:g} (--lr {cfg.lr:g} is not applied)")
     if not math.isclose(decay, cfg.weight_decay):
         kept.append(f"weight_decay={decay:g} (--weight-decay {cfg.weight_decay:g} is not applied)")
-    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (was {saved[k]})" for k in ("steps", "warmup_steps")
+    changed = [f"--{k.replace('_', '-')} {getattr(cfg, k)} (was {saved[k]})" for k in ("steps", "warmup_steps", "lr_schedule")
                if k in saved and saved[k] != getattr(cfg, k)]
     if not kept and not changed:
         return ""

@@ -10,6 +10,7 @@ from .data import BIN_DTYPES, check_token_suffix
 from .needles import DEFAULT_TEMPLATE
 
 OPTIMIZERS = ("adamw", "adamw8bit")
+LR_SCHEDULES = ("cosine", "constant")
 
 #: integer settings and their least value ('auto' chunk_size aside)
 INT_FIELDS = {"seq_len": 2, "batch": 1, "grad_accum": 1, "steps": 1, "warmup_steps": 0, "chunk_size": 1,
@@ -48,6 +49,8 @@ class TrainConfig:
     lr: float = 3e-3
     weight_decay: float = 0.0
     warmup_steps: int = 4
+    # after the warm-up: cosine (decay to 10 % of the peak by the last step) | constant (the peak throughout)
+    lr_schedule: str = "cosine"
     grad_clip: float = 1.0
     # 'auto' (chunk_size, kv_grad_dtype; None for checkpoint_layers): oomb.auto.choose() picks the fastest
     # setting the memory plan says fits this machine's GPU and host memory; a value given wins
@@ -206,6 +209,8 @@ class TrainConfig:
             raise ValueError(f"shutdown_timeout={self.shutdown_timeout} must be a number of seconds >= 0 (0: no limit)")
         if not 0 < self.process_group_timeout < math.inf:
             raise ValueError(f"process_group_timeout={self.process_group_timeout} must be a number of seconds > 0")
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule={self.lr_schedule!r} must be one of {', '.join(LR_SCHEDULES)}")
         if self.kv_grad_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype!r} must be auto, float32 or bfloat16")
         if self.offload not in ("auto", "none", "all"):

@@ -174,10 +174,12 @@ def codec_for(tokenizer: str, model: str, vocab_size: int):
 
 
 def lr_lambda(cfg: TrainConfig):
-    """Linear warm-up, then cosine decay to 10 % of the peak."""
+    """Linear warm-up, then cosine decay to 10 % of the peak (or the peak throughout: constant)."""
     def f(step: int) -> float:
         if step < cfg.warmup_steps:
             return (step + 1) / (cfg.warmup_steps + 1)
+        if cfg.lr_schedule == "constant":
+            return 1.0
         progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
     return f
