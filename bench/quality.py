@@ -34,6 +34,9 @@ held-out loss.
 
 Resumable at two levels: an arm whose rows are already in the results file is skipped, and an arm
 whose training was cut short resumes from its last checkpoint under --work (the same machine).
+Across machines (device calls that do not share a disk): `--handoff DIR` writes each trained arm's
+final model into DIR as bf16 shards of at most 15 MB, and takes the arms found there, so their
+dependents start from them.
 Rows go to --results (default bench/results/quality.jsonl), tagged "study": "recall": each
 training log line and each evaluation, with the arm, commit, date and hardware.
 """
@@ -43,6 +46,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -258,8 +262,36 @@ def evaluate(study: Study, model, held, task: str, budget: int, dense: str) -> d
     return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, dense)}
 
 
-def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) -> None:
-    """Train the arm (or resume it) and evaluate its final model; rows appended to rows_file."""
+def hand_off(final: Path, folder: Path, shard: str = "15MB") -> None:
+    """A final model as bf16 safetensors shards of at most 15 MB and its config: what one device
+    call may bring back (files <= 16 MiB), so that a study can go on on another machine."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if (folder / "config.json").exists():
+        return
+    model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.bfloat16)
+    tmp = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size=shard)
+    tmp.rename(folder)
+
+
+def take_over(handoff: Path, work: Path) -> list[str]:
+    """The arms whose final model an earlier machine handed off (hand_off) and this one lacks,
+    copied into their places under work/arms."""
+    taken = []
+    for src in sorted(handoff.glob("*/config.json")) if handoff.is_dir() else []:
+        final = work / "arms" / src.parent.name / "final"
+        if src.parent.name in BY_NAME and not (final / "config.json").exists():
+            shutil.copytree(src.parent, final, dirs_exist_ok=True)
+            taken.append(src.parent.name)
+    return taken
+
+
+def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict, handoff: Path | None = None) -> None:
+    """Train the arm (or resume it) and evaluate its final model; rows appended to rows_file.
+    handoff: the final model is also written there (hand_off)."""
     from oomb.train.trainer import train
 
     arm = BY_NAME[name]
@@ -275,6 +307,8 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict) ->
         append(rows_file, [{**tag, "kind": "train", **r, **info} for r in steps]
                + [{**tag, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
                    "config": dataclasses.asdict(cfg), **info}])
+    if handoff is not None:
+        hand_off(out / "final", handoff / name)
     todo = [e for e in evaluations(arm) if evaluation_key(arm, *e) not in done]
     if not todo:
         return
@@ -323,12 +357,17 @@ def complete(name: str, rows: list[dict]) -> bool:
 
 # -- the study: arms in parallel, dependencies first -----------------------------------------
 
-def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: int, deadline: float) -> None:
+def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: int, deadline: float,
+              handoff: Path | None = None) -> None:
     from common import run_info
 
     info = run_info()
     info["setting"] = "smoke" if study.model == "tiny-kv" else "full"
     work.mkdir(parents=True, exist_ok=True)
+    if handoff is not None:
+        taken = take_over(handoff, work)
+        if taken:
+            print(f"quality study: final models of {', '.join(taken)} taken from {handoff}", flush=True)
     corpus(study, work)  # once, before the arms start
     todo = [n for n in names if not complete(n, read_rows(results))]
     print(f"quality study: {len(names) - len(todo)} of {len(names)} arms already in {results}; running "
@@ -336,7 +375,7 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
     start = time.perf_counter()
     if jobs == 0:  # in this process, one after another (the CPU smoke test)
         for n in _ordered(todo):
-            run_arm(n, study, work, results, info)
+            run_arm(n, study, work, results, info, handoff)
         return
     running: dict[str, subprocess.Popen] = {}
     waiting = _ordered(todo)
@@ -363,6 +402,7 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
             waiting.remove(n)
             log = open(work / f"{n}.log", "a")
             cmd = [sys.executable, __file__, "--arm", n, "--work", str(work), "--results", str(results)]
+            cmd += ["--handoff", str(handoff)] if handoff is not None else []
             running[n] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
             print(f"{elapsed()} {n}: started", flush=True)
         if late and not running:
@@ -395,6 +435,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=len(ARMS), help="arms at once (0: in this process)")
     parser.add_argument("--deadline", type=float, default=float("inf"), help="start no arm after this many seconds")
     parser.add_argument("--steps", type=int, default=0, help="override the 64K arms' steps")
+    parser.add_argument("--handoff", default="", help="a folder: each arm trained writes its final model there "
+                                                      "(bf16 shards <= 15 MB), and arms whose final model is there "
+                                                      "are taken from it (a study chained across machines)")
     parser.add_argument("--report", action="store_true", help="write docs/quality.md and its plots from --results")
     parser.add_argument("--doc", default=str(DOC), help="the page --report writes (its plots beside it)")
     args = parser.parse_args()
@@ -402,13 +445,14 @@ def main() -> None:
     if args.steps:
         study.steps = args.steps
     work, results = Path(args.work), Path(args.results)
+    handoff = Path(args.handoff) if args.handoff else None
     if args.report:
         from quality_report import write_report
         write_report(read_rows(results), Path(args.doc))
         return
     if args.arm:  # a child of run_study: the parent's settings and run information
         given = json.loads(os.environ["OOMB_QUALITY"])
-        run_arm(args.arm, Study(**given["study"]), work, results, given["info"])
+        run_arm(args.arm, Study(**given["study"]), work, results, given["info"], handoff)
         return
     names = [n.strip() for n in args.arms.split(",") if n.strip()] or [a.name for a in ARMS if not a.extra]
     if names == ["all"]:
@@ -418,9 +462,10 @@ def main() -> None:
         sys.exit(f"quality.py: unknown arm {unknown[0]!r}; arms: {', '.join(BY_NAME)}")
     for n in names:
         base = BY_NAME[n].extends
-        if base and base not in names and not (work / "arms" / base / "final" / "config.json").exists():
+        handed = handoff is not None and (handoff / base / "config.json").exists()
+        if base and base not in names and not handed and not (work / "arms" / base / "final" / "config.json").exists():
             sys.exit(f"quality.py: arm {n} starts from {base}'s final model: add {base} to --arms")
-    run_study(study, names, work, results, 0 if args.smoke else args.jobs, args.deadline)
+    run_study(study, names, work, results, 0 if args.smoke else args.jobs, args.deadline, handoff)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,26 @@ def test_quality_study_smoke_and_report(tmp_path):
         assert heading in page
     assert "| neg-64k | top-1 |" in page
     assert (doc.parent / "quality_pilot.png").read_bytes()[:4] == b"\x89PNG" and "](quality_pilot.png)" in page
+
+
+def test_hand_off_and_take_over(tmp_path):
+    """A final model handed off in shards no larger than asked, and taken over by another work
+    folder, where it loads with the same weights."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import quality
+    import torch
+
+    from oomb.presets import load_model
+
+    model = load_model("tiny-kv")
+    final = tmp_path / "a" / "arms" / "base-128" / "final"
+    model.save_pretrained(final)
+    handoff = tmp_path / "handoff"
+    quality.hand_off(final, handoff / "base-128", shard="300KB")
+    shards = sorted((handoff / "base-128").glob("*.safetensors"))
+    assert len(shards) > 1 and all(f.stat().st_size <= 400_000 for f in shards)
+    assert quality.take_over(handoff, tmp_path / "b") == ["base-128"]
+    assert quality.take_over(handoff, tmp_path / "b") == []  # already there
+    again = load_model(str(tmp_path / "b" / "arms" / "base-128" / "final"))
+    for (name, p), q in zip(model.named_parameters(), again.parameters()):
+        assert torch.equal(p.to(torch.bfloat16).float(), q.float()), name
