@@ -22,19 +22,21 @@ def weight_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
 
 
 def check_model_fits(cfg: TrainConfig, device: torch.device, dp_size: int = 1) -> None:
-    """Refuse, before the model is built, one whose weights, gradients and optimizer state (the
-    plan's counts: oomb.plan) exceed the memory `device` has free (CPU: the host's available
-    memory, shared by this machine's processes). LoRA's adapters are left out of the count."""
-    from ..plan import count_params
+    """Refuse, before the model is built, one whose weights, gradients and optimizer state (as the
+    memory plan counts them: oomb.plan) exceed the memory `device` has free (CPU: the host's
+    available memory, shared by this machine's processes). LoRA's adapters are left out."""
+    from ..plan import plan
     from ..presets import load_config
 
-    n = count_params(load_config(cfg.model, cfg.rope_theta, cfg.rope_scaling or None))
-    item = weight_dtype(cfg, device).itemsize
-    trainable = 0 if cfg.lora_rank else n
-    grad_item = max(item, 4) if cfg.param_grad_dtype == "float32" else item
-    opt_item = 2 * item if cfg.optimizer == "adamw" else 2  # two moments; AdamW8bit: a byte each
-    shards = cfg.tp * (dp_size if dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer else 1)
-    need = n * item + trainable * grad_item // cfg.tp + trainable * opt_item // shards
+    dtype = weight_dtype(cfg, device)
+    zero = dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
+    p = plan(load_config(cfg.model, cfg.rope_theta, cfg.rope_scaling or None), seq_len=cfg.page_size,
+             chunk_size=cfg.page_size, page_size=cfg.page_size, dtype=dtype, tp=cfg.tp,
+             trainable_params=0 if cfg.lora_rank else None,
+             optimizer_bytes_per_param=2 if cfg.optimizer == "adamw8bit" else None,
+             optimizer_shards=dp_size if zero else 1,
+             param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None)
+    need = p.weights + p.grads + p.optimizer
     if device.type == "cuda":
         from ..memory.device import device_memory
 
@@ -45,10 +47,11 @@ def check_model_fits(cfg: TrainConfig, device: torch.device, dp_size: int = 1) -
         have = available_host_bytes() // local_world_size()
     if need > have:
         what = "weights" if cfg.lora_rank else "weights, gradients and optimizer state"
+        n = p.weights // dtype.itemsize
         raise ValueError(f"--model {cfg.model}: {n / 1e9:.2f}B parameters need {human_bytes(need)} for their {what} in "
-                         f"{str(weight_dtype(cfg, device)).removeprefix('torch.')} on {device}, more than the "
-                         f"{human_bytes(have)} free there; use a smaller model, --lora-rank 16"
-                         f"{', --dtype bfloat16' if item == 4 else ''} or a machine with more memory")
+                         f"{str(dtype).removeprefix('torch.')} on {device}, more than the {human_bytes(have)} free "
+                         f"there; use a smaller model{'' if cfg.lora_rank else ', --lora-rank 16'}"
+                         f"{', --dtype bfloat16' if dtype.itemsize == 4 else ''} or a machine with more memory")
 
 
 def check_finite_weights(model: torch.nn.Module, step: int, losses: list[float], cfg: TrainConfig) -> None:
