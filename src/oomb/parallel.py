@@ -18,7 +18,6 @@ Launch: `torchrun --nproc-per-node N -m oomb.cli train --tp T ...` (README).
 from __future__ import annotations
 
 import math
-
 import os
 import sys
 from datetime import timedelta
