@@ -26,7 +26,7 @@ import torch
 from ..engine import ChunkRecurrentEngine
 from ..loss import IGNORE_INDEX
 from ..train.needles import DEFAULT_TEMPLATE, hits, make_needle, with_needles
-from ..train.recall import RecallTask, Tally, bucket_of, queries
+from ..train.recall import RecallTask, Tally, answers, bucket_of, queries
 
 Batches = Iterable[tuple[torch.Tensor, ...]]  # (input_ids, labels) or packed (input_ids, labels, position_ids)
 
@@ -195,13 +195,6 @@ def kv_recall(engine: ChunkRecurrentEngine, sequences: list[tuple[np.ndarray, np
     if sparse:
         result["hit_rate"] = hit_rates(seen, len(tally.names))
     return result
-
-
-def answers(r, ids: np.ndarray, rows: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Of an evaluate(per_token=True) result: whether each query's value was the argmax
-    prediction, and its cross entropy."""
-    pred = r.predictions.cpu().numpy()[rows, b + 1]
-    return pred == ids[rows, b + 1], r.token_losses.cpu().numpy()[rows, b + 1]
 
 
 def hit_rates(seen: dict[int, list], n_buckets: int) -> list[dict]:

@@ -258,6 +258,13 @@ class Tally:
         return out
 
 
+def answers(result, ids: np.ndarray, rows: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Of an engine's evaluate(per_token=True) result: whether each query's value (at b + 1 of
+    its row) was the argmax prediction, and its cross entropy."""
+    pred = result.predictions.cpu().numpy()[rows, b + 1]
+    return pred == ids[rows, b + 1], result.token_losses.cpu().numpy()[rows, b + 1]
+
+
 def queries(ids: np.ndarray, labels: np.ndarray, task: RecallTask, vocab_size: int
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The recall pairs of a batch, read from its tokens alone: (row, needle position a, query

@@ -32,7 +32,7 @@ from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
 from .output_dir import open_output_dir, truncate_metrics
-from .recall import RecallMix, RecallTask, Tally, bucket_of, default_edges, queries
+from .recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -314,11 +314,9 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     """Mean loss per predicted token over `batches` (and every data-parallel rank's), in eval
     mode; the page pool is the training step's. recall: also the recall pairs' accuracy by
     distance bucket (train/recall.py), {bucket name: accuracy}."""
-    from ..eval.tasks import answers
-
     model.eval()
-    vocab, seq_len = engine.adapter.vocab_size, batches[0][0].shape[1]
-    tally = Tally(default_edges(seq_len)) if recall is not None else None
+    vocab, edges = engine.adapter.vocab_size, default_edges(batches[0][0].shape[1])
+    tally = Tally(edges) if recall is not None else None
     try:
         total = torch.zeros(2, dtype=torch.float64, device=device)  # CE sum, predicted tokens
         for batch in batches:
@@ -328,7 +326,7 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
             if tally is not None:
                 ids = batch[0].numpy()
                 rows, a, b = queries(ids, batch[1].numpy(), recall, vocab)
-                tally.add(bucket_of(a, b, engine.chunk_size, default_edges(seq_len)), *answers(result, ids, rows, b))
+                tally.add(bucket_of(a, b, engine.chunk_size, edges), *answers(result, ids, rows, b))
     finally:
         model.train()
     if dist.is_initialized():
@@ -569,7 +567,8 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     if stopped:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.saves:
-        check_finite_weights(model, step, losses, cfg)
+        if step not in saved:  # save() checked the weights of a step it wrote
+            check_finite_weights(model, step, losses, cfg)
         path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
         if rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
