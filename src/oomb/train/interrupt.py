@@ -115,6 +115,13 @@ class Interrupt:
     def exit_code(self) -> int:
         return 128 + (self.signum or 0)
 
+    def settle(self) -> None:
+        """Waits for the flag's last all-reduce (every rank sent it at the same call): a process
+        group destroyed under a pending operation aborts the process."""
+        if self._pending is not None:
+            self._pending[0].wait()
+            self._pending = None
+
     def restore(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)

@@ -564,6 +564,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
                 break
     finally:
         interrupt.restore()
+    interrupt.settle()
     if stopped:
         _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
     if cfg.saves:
