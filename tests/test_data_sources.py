@@ -134,7 +134,7 @@ def test_jsonl_text_and_chat_records(tmp_path, ckpt):
     assert ids[:7].tolist() == text and ids[-3:].tolist() == [ID["a"], ID["dog"], ID["<eos>"]]
     assert starts.tolist() == [0, 7, 38, 49] and len(ids) == 52 and ids.dtype == np.uint16
     assert mask[:7].all() and mask[7:38].sum() == 11 and mask[38:49].sum() == 3 and mask[49:].all()
-    assert n == {"tokens": 52, "documents": 4, "chats": 2, "trained": 24,
+    assert n == {"tokens": 52, "documents": 4, "chats": 2, "completions": 0, "trained": 24,
                  "files": [out, str(sibling(out, "docs")), str(sibling(out, "mask"))]}
 
 
@@ -279,7 +279,7 @@ def test_bad_input_is_refused_with_the_record_and_the_fix(tmp_path, ckpt, monkey
     (tmp_path / "empty.jsonl").write_text("\n")
     assert "empty.jsonl holds no records (an empty file?)" in tokenize_error(tmp_path, ckpt, [tmp_path / "empty.jsonl"])
     (tmp_path / "data.csv").write_text("text\nthe cat\n")
-    assert "unknown extension '.csv'; oomb tokenize reads .txt, .jsonl, .json, .parquet or a directory" in \
+    assert "unknown extension '.csv'; oomb tokenize reads .txt, .jsonl, .json, .parquet, a directory" in \
         tokenize_error(tmp_path, ckpt, [tmp_path / "data.csv"])
     assert "no such file or directory" in tokenize_error(tmp_path, ckpt, [tmp_path / "missing.jsonl"])
     mute = write_jsonl(tmp_path / "mute.jsonl", [{"messages": CHAT}, {"messages": CHAT[:2]}])
@@ -294,7 +294,7 @@ def test_bad_input_is_refused_with_the_record_and_the_fix(tmp_path, ckpt, monkey
     assert "torn.jsonl:2 is not valid JSON" in tokenize_error(tmp_path, ckpt, [tmp_path / "torn.jsonl"])
     chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
     plain = word_tokenizer(tmp_path / "plain", template=None)
-    assert "has no chat template, which chat ('messages') records need" in \
+    assert "has no chat template, which chat ('messages') and conversational prompt/completion records need" in \
         tokenize_error(tmp_path, ckpt, [chat], model=plain)
     # a template that renders earlier turns differently once later ones exist
     shifting = word_tokenizer(tmp_path / "shifting", template=(
@@ -309,7 +309,7 @@ def test_bad_input_is_refused_with_the_record_and_the_fix(tmp_path, ckpt, monkey
         tokenize_error(tmp_path, ckpt, [tmp_path / "r.parquet"])
     monkeypatch.setitem(sys.modules, "datasets", None)
     (tmp_path / "ds").mkdir()
-    assert "save_to_disk needs the datasets package: pip install datasets" in \
+    assert "reading it needs the datasets package: pip install datasets" in \
         tokenize_error(tmp_path, ckpt, [tmp_path / "ds"])
 
 

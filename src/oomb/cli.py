@@ -324,10 +324,15 @@ def cmd_corpus(args) -> None:
 
 
 def cmd_tokenize(args) -> None:
-    from .train.sources import tokenize
+    from .train.chat import read_template
+    from .train.sources import Hub, tokenize
 
-    n = tokenize(args.model, args.inputs, args.output, args.text_field, args.messages_field)
-    chats = f", {n['chats']:,} of them chats; {n['trained']:,} tokens trained" if n["chats"] else ""
+    n = tokenize(args.model, args.inputs, args.output, args.text_field, args.messages_field,
+                 read_template(args.chat_template) if args.chat_template else None,
+                 Hub(args.split, args.subset, args.streaming, args.num_proc), progress=True)
+    kinds = ([f"{n['chats']:,} of them chats"] if n["chats"] else []) + \
+        ([f"{n['completions']:,} prompt/completion"] if n["completions"] else [])
+    chats = f", {', '.join(kinds)}; {n['trained']:,} tokens trained" if kinds else ""
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
@@ -440,7 +445,8 @@ def main(argv: list[str] | None = None) -> None:
     p_corpus = sub.add_parser("corpus", help="a long-document corpus from installed packages' source code")
     p_corpus.add_argument("--output", required=True, help="directory for train.npy, heldout.npy, corpus.json")
     p_corpus.add_argument("--roots", nargs="*", default=[], help="package directories (default: site-packages)")
-    p_corpus.add_argument("--tokenizer", default="bytes", help="'bytes' (byte-level) or a checkpoint's tokenizer")
+    p_corpus.add_argument("--tokenizer", default="bytes", help="'bytes' (byte-level), bpe:VOCAB (a byte-level BPE "
+                                                               "trained on the corpus, saved beside it) or a checkpoint")
     p_corpus.add_argument("--heldout", type=float, default=0.1, help="share of packages held out (by name hash)")
     p_corpus.add_argument("--max-size", type=parse_bytes, default=None,
                           help="text to take for training, e.g. 300MiB (default: all)")
@@ -448,8 +454,16 @@ def main(argv: list[str] | None = None) -> None:
 
     p_tok = sub.add_parser("tokenize", help="text or chat records -> a document file (.npy token ids) for --data")
     p_tok.add_argument("inputs", nargs="+", help=".txt files (a document each), .jsonl (a record per line), .json (a "
-                                                 "list of records), .parquet, or datasets' save_to_disk directories")
-    p_tok.add_argument("--model", required=True, help="a checkpoint directory or hub id with a tokenizer")
+                                                 "list of records), .parquet, datasets' save_to_disk directories, "
+                                                 "or datasets.load_dataset names (hub org/name, data folders)")
+    p_tok.add_argument("--model", required=True,
+                       help="a checkpoint directory or hub id with a tokenizer, or bytes (UTF-8 bytes as ids)")
+    p_tok.add_argument("--chat-template", default="", help="a Jinja chat template file, used instead of the tokenizer's")
+    p_tok.add_argument("--split", default=None, help="the split of a dataset (default: train)")
+    p_tok.add_argument("--subset", default=None, help="the configuration (subset) of a hub dataset")
+    p_tok.add_argument("--streaming", action="store_true", help="stream a hub dataset instead of downloading it whole")
+    p_tok.add_argument("--num-proc", type=at_least(1), default=1,
+                       help="processes that tokenise (and prepare a downloaded dataset)")
     p_tok.add_argument("--output", required=True,
                        help="the .npy ids to write; NAME.docs.npy (document starts) and, for chats, NAME.mask.npy "
                             "(trained tokens) go beside it")
