@@ -92,3 +92,35 @@ def test_needle_mixture_is_deterministic_and_hides_queried_needles():
     assert 4 <= carriers <= 12  # about half of 16 sequences
     with pytest.raises(ValueError, match="needle_rate=0 must be in"):
         NeedleMix(ByteCodec(), "{key}{value}", rate=0)
+
+
+def test_corpus_with_a_bpe_trained_on_it(tmp_path, capsys):
+    """--tokenizer bpe:300: a byte-level BPE learnt from the training split, saved beside the token
+    files; its ids decode back to the documents, and the folder serves as a tokenizer later
+    (oomb tokenize --model DIR, needles' --tokenizer DIR)."""
+    from transformers import AutoTokenizer
+
+    from oomb.train.needles import make_codec
+
+    fake_tree(tmp_path / "site")
+    out = tmp_path / "out"
+    main(["corpus", "--output", str(out), "--roots", str(tmp_path / "site"), "--heldout", "0.3",
+          "--tokenizer", "bpe:300"])
+    tok = AutoTokenizer.from_pretrained(out)
+    assert 257 < len(tok) <= 300 and tok.eos_token_id == 0 and (out / "tokenizer.json").is_file()  # few merges here
+    summary = json.loads((out / "corpus.json").read_text())
+    assert summary["tokenizer"] == "bpe:300" and summary["separator"] == 0
+    plain = build_corpus(tmp_path / "bytes", roots=[tmp_path / "site"], heldout=0.3)
+    for split in ("train", "heldout"):
+        ids = np.load(out / f"{split}.npy")
+        assert ids.dtype == np.uint16 and ids.max() < 300 and ids[-1] == 0
+        docs = np.split(ids, np.flatnonzero(ids == 0) + 1)[:-1]
+        texts = [tok.decode(d[:-1].tolist()) for d in docs]
+        assert "".join(texts).encode() == bytes(np.load(tmp_path / "bytes" / f"{split}.npy")).replace(b"\x00", b"")
+        assert len(ids) < plain[split]["tokens"]  # merges were learnt
+    assert make_codec(str(out))("def run():") == tok("def run():", add_special_tokens=False)["input_ids"]
+    (tmp_path / "t.jsonl").write_text('{"text": "def run():"}\n')
+    main(["tokenize", str(tmp_path / "t.jsonl"), "--model", str(out), "--output", str(tmp_path / "t.npy")])
+    assert np.load(tmp_path / "t.npy").tolist() == tok("def run():", add_special_tokens=False)["input_ids"] + [0]
+    with pytest.raises(ValueError, match="bpe:VOCAB takes a vocabulary size from 258"):
+        build_corpus(tmp_path / "x", roots=[tmp_path / "site"], tokenizer="bpe:100")

@@ -8,9 +8,11 @@ training, and the split is the same on every machine that has the package.
 
     oomb corpus --output data/code                       # byte-level (ids 0-255, 0 between documents)
     oomb corpus --output data/code --tokenizer /ckpt     # a checkpoint's tokenizer (its EOS between)
+    oomb corpus --output data/code --tokenizer bpe:8192  # a BPE trained on the training split, saved beside
 
 writes `train.npy`, `heldout.npy` (token files for --data / --eval-data) and `corpus.json`
-(packages, sizes, split, settings).
+(packages, sizes, split, settings); with bpe:VOCAB also the tokenizer (tokenizer.json and
+tokenizer_config.json: `--tokenizer data/code` or `--model data/code` loads it later, offline).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .needles import make_codec
+from .needles import TokenizerCodec, make_codec
 from .outputs import make_folder
 
 HEADER = "# ==== {path} ====\n"
@@ -81,14 +83,14 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
     missing = [str(r) for r in roots if not r.is_dir()]
     if missing:
         raise ValueError(f"--roots {missing[0]!r} is not a directory")
+    bpe_vocab = parse_bpe(tokenizer)
     out = make_folder(output, f"--output {output}")  # before the packages are read and tokenised
-    codec = make_codec(tokenizer)
+    codec = None if bpe_vocab else make_codec(tokenizer)
     found = packages(roots)
     if not found:
         raise ValueError(f"no Python packages under {', '.join(map(str, roots))}")
     order = sorted(found, key=lambda n: hashlib.sha256(n.encode()).hexdigest())
-    splits: dict[str, list[np.ndarray]] = {"train": [], "heldout": []}
-    listed: dict[str, list[dict]] = {"train": [], "heldout": []}
+    texts: dict[str, list[tuple[str, str]]] = {"train": [], "heldout": []}  # (package, its text)
     size = {"train": 0, "heldout": 0}
     caps = {"train": max_bytes, "heldout": None if max_bytes is None else max(1, max_bytes // 10)}
     for name in order:
@@ -99,18 +101,25 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
         text_bytes = len(text.encode("utf-8"))
         if text_bytes < min_bytes:
             continue
-        ids = codec.array(text)
-        if codec.eos is not None:
-            ids = np.append(ids, np.asarray(codec.eos, dtype=ids.dtype))
-        splits[split].append(ids)
-        listed[split].append({"package": name, "files": len(found[name][1]), "tokens": len(ids)})
+        texts[split].append((name, text))
         size[split] += text_bytes
-    if not splits["train"] or not splits["heldout"]:
-        raise ValueError(f"{len(found)} packages gave {len(splits['train'])} training and {len(splits['heldout'])} "
+    if not texts["train"] or not texts["heldout"]:
+        raise ValueError(f"{len(found)} packages gave {len(texts['train'])} training and {len(texts['heldout'])} "
                          "held-out documents; both are needed: add --roots or change --heldout")
+    if bpe_vocab:  # learnt from the training split only: the held-out text stays unseen
+        codec = TokenizerCodec(train_bpe([t for _, t in texts["train"]], bpe_vocab, out))
+    splits: dict[str, list[np.ndarray]] = {"train": [], "heldout": []}
+    listed: dict[str, list[dict]] = {"train": [], "heldout": []}
+    for split, docs in texts.items():
+        for name, text in docs:
+            ids = codec.array(text)
+            if codec.eos is not None:
+                ids = np.append(ids, np.asarray(codec.eos, dtype=ids.dtype))
+            splits[split].append(ids)
+            listed[split].append({"package": name, "files": len(found[name][1]), "tokens": len(ids)})
     top = max(int(a.max()) for part in splits.values() for a in part)
     dtype = np.uint8 if top < 2**8 else np.uint16 if top < 2**16 else np.uint32
-    summary = {"tokenizer": codec.name, "separator": codec.eos, "heldout_fraction": heldout,
+    summary = {"tokenizer": tokenizer if bpe_vocab else codec.name, "separator": codec.eos, "heldout_fraction": heldout,
                "roots": [str(r) for r in roots], "max_bytes": max_bytes, "min_bytes": min_bytes}
     for split, arrays in splits.items():
         tokens = np.concatenate(arrays).astype(dtype)
@@ -120,3 +129,36 @@ def build_corpus(output: str | Path, roots: list[str | Path] | None = None, toke
         summary[split] = {"tokens": int(len(tokens)), "documents": len(arrays), "packages": listed[split]}
     (out / "corpus.json").write_text(json.dumps(summary, indent=1))
     return summary
+
+
+EOS = "<|endoftext|>"  # id 0 of a trained BPE: it ends each document, as byte 0 does byte-level
+
+
+def parse_bpe(tokenizer: str) -> int:
+    """bpe:VOCAB -> VOCAB (0 for any other --tokenizer)."""
+    if not tokenizer.startswith("bpe:"):
+        return 0
+    vocab = tokenizer[4:]
+    if not vocab.isdigit() or not 258 <= int(vocab) <= 2**20:
+        raise ValueError(f"--tokenizer {tokenizer!r}: bpe:VOCAB takes a vocabulary size from 258 (the 256 bytes, "
+                         f"{EOS} and one merge) to {2**20:,}, e.g. bpe:8192")
+    return int(vocab)
+
+
+def train_bpe(texts: list[str], vocab_size: int, folder: Path):
+    """A byte-level BPE (GPT-2's pre-tokenisation: every byte is a token, merges learnt from the
+    texts; id 0 the EOS), trained with the tokenizers library and saved in
+    `folder` (tokenizer.json, tokenizer_config.json) for AutoTokenizer; returned as a
+    transformers tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    core.train_from_iterator(texts, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token=EOS)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
