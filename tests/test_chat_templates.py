@@ -224,6 +224,8 @@ def test_chat_template_file_tools_and_prompt_completion_records(tmp_path, tok_di
               "--model", tok_dir, "--output", out, "--chat-template", str(TEMPLATES / "qwen3.jinja")])
     with pytest.raises(ValueError, match="'tools' must be a list of JSON schemas"):
         check_tools({"name": "get_weather"}, "r")
+    with pytest.raises(ValueError, match="the chat template '/no/such.jinja' never reads `messages`: it is not one"):
+        tokenize(tok_dir, [write_jsonl(tmp_path / "d.jsonl", rows[:1])], out, chat_template="/no/such.jinja")
     with pytest.raises(SystemExit, match="--chat-template '.*missing.jinja': cannot read it"):
         main(["tokenize", str(tmp_path / "c.jsonl"), "--model", tok_dir, "--output", out,
               "--chat-template", str(tmp_path / "missing.jinja")])
@@ -272,12 +274,13 @@ def test_datasets_through_load_dataset(tmp_path, tok_dir, datasets_offline):
     rows = [{"text": words(np.random.default_rng(i))} for i in range(30)] + \
         [{"prompt": "hello", "completion": " the cat"}, {"messages": [{"role": "user", "content": "hi"},
                                                                      {"role": "assistant", "content": "a cat"}]}]
-    template = str(TEMPLATES / "qwen3.jinja")
+    template = (TEMPLATES / "qwen3.jinja").read_text()
     (tmp_path / "folder").mkdir()
     write_jsonl(tmp_path / "folder" / "train.jsonl", rows)
     write_jsonl(tmp_path / "folder" / "test.jsonl", rows[:3])
     want = str(tmp_path / "want.npy")
-    tokenize(tok_dir, [str(tmp_path / "folder" / "train.jsonl")], want, chat_template=template)
+    n = tokenize(tok_dir, [str(tmp_path / "folder" / "train.jsonl")], want, chat_template=template)
+    assert np.load(sibling(want, "mask"))[-8:].any()  # the chat's answer is trained
     def columns(rows):  # None where a record lacks the field
         return datasets_offline.Dataset.from_dict({k: [r.get(k) for r in rows]
                                                    for k in ("text", "prompt", "completion", "messages")})
@@ -305,9 +308,11 @@ def test_several_processes_tokenise_in_order(tmp_path, tok_dir):
     rows = [{"text": words(np.random.default_rng(i))} for i in range(40)] + \
         [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "a cat"}]}]
     data = write_jsonl(tmp_path / "r.jsonl", rows)
-    template = str(TEMPLATES / "qwen3.jinja")
-    tokenize(tok_dir, [data], str(tmp_path / "one.npy"), chat_template=template)
-    main(["tokenize", data, "--model", tok_dir, "--output", str(tmp_path / "two.npy"), "--chat-template", template,
-          "--num-proc", "2"])
+    template = (TEMPLATES / "qwen3.jinja").read_text()
+    assert tokenize(tok_dir, [data], str(tmp_path / "one.npy"), chat_template=template)["trained"] == \
+        sum(len(tokenizer(tok_dir)(r["text"], add_special_tokens=False)["input_ids"]) + 1 for r in rows[:-1]) + \
+        len(tokenizer(tok_dir)("<think>\n\n</think>\n\na cat<|im_end|>", add_special_tokens=False)["input_ids"])
+    main(["tokenize", data, "--model", tok_dir, "--output", str(tmp_path / "two.npy"), "--chat-template",
+          str(TEMPLATES / "qwen3.jinja"), "--num-proc", "2"])
     for a, b in zip(read(str(tmp_path / "one.npy")), read(str(tmp_path / "two.npy"))):
         assert np.array_equal(a, b)

@@ -48,9 +48,6 @@ def read_template(path: str) -> str:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as e:
         raise ValueError(f"--chat-template {path!r}: cannot read it ({e.strerror}); give a Jinja template file") from None
-    if "messages" not in text:
-        raise ValueError(f"--chat-template {path!r} never reads `messages`: it is not a chat template (a Jinja "
-                         "file that loops over messages, e.g. a checkpoint's chat_template.jinja)")
     return text
 
 
@@ -173,6 +170,9 @@ class ChatRenderer:
             raise ValueError(f"the tokenizer of --model {model!r} has no chat template, which chat ('messages') and "
                              "conversational prompt/completion records need; give one with --chat-template FILE, or "
                              "use an instruct checkpoint's tokenizer")
+        if isinstance(template, str) and "messages" not in template:
+            raise ValueError(f"the chat template {template[:80]!r} never reads `messages`: it is not one (a Jinja text "
+                             "that loops over messages, e.g. a checkpoint's chat_template.jinja)")
         tokenizer = getattr(codec, "tokenizer", None)
         if tokenizer is not None and not tokenizer.is_fast:
             raise ValueError(f"the tokenizer of --model {model!r} is a slow (Python) one; locating the assistant's "
