@@ -76,7 +76,7 @@ def test_apply_float8_swaps_the_layer_projections_only():
 def test_float8_settings():
     assert TrainConfig(float8="tensorwise").compile_layers  # the casts fuse into the compiled layer pieces
     assert not TrainConfig(float8="tensorwise", compile=False).compile_layers
-    with pytest.raises(ValueError, match="float8='e4m3' must be none, tensorwise or rowwise"):
+    with pytest.raises(ValueError, match="float8='e4m3' must be one of none, tensorwise, rowwise"):
         TrainConfig(float8="e4m3")
     with pytest.raises(ValueError, match="with tp=2"):
         TrainConfig(float8="rowwise", tp=2)

@@ -27,7 +27,7 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
     saved = sorted(p.name for p in tmp_path.iterdir())
-    assert saved == [".lock", "final", "metrics.jsonl", "step-000002", "step-000003"]  # no temporary left behind
+    assert saved == [".lock", "config.yaml", "final", "metrics.jsonl", "step-000002", "step-000003"]  # no temporary left behind
     state = json.loads((tmp_path / "step-000002" / "trainer.json").read_text())
     assert state["step"] == 2 and state["config"]["lora_rank"] == 4
     # Resuming from step 2 runs exactly one more step.
@@ -39,7 +39,7 @@ def test_checkpoint_is_atomic_and_resumes(tmp_path):
 
 def test_no_save_writes_only_the_metrics(tmp_path):
     train(TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=1, save=False))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "metrics.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "config.yaml", "metrics.jsonl"]
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3] and all(r["step_s"] > 0 for r in rows)
 
@@ -432,10 +432,10 @@ def test_compiled_layers_train_like_eager():
 def test_compile_defaults_on_under_tensor_parallelism():
     """--compile/--no-compile, default: on with --tp > 1 only (eager DTensor dispatch leaves the GPU
     waiting on the host: TP=2 at 256K took 52.9 s eager, 29.1 s compiled, 42.5 s on one GPU)."""
-    from oomb.cli import _add_dataclass_args
+    from oomb.flags import add_settings
 
     parser = argparse.ArgumentParser()
-    _add_dataclass_args(parser, TrainConfig)
+    add_settings(parser)
     assert [parser.parse_args(a).compile for a in ([], ["--compile"], ["--no-compile"])] == [None, True, False]
     assert not TrainConfig().compile_layers and TrainConfig(compile=True).compile_layers
     assert TrainConfig(tp=2).compile_layers and not TrainConfig(tp=2, compile=False).compile_layers
@@ -495,7 +495,7 @@ def test_trainer_sums_parameter_gradients_in_fp32_by_default(monkeypatch):
     cfg = preset_config("qwen2.5-7b")
     bf16_sums, fp32_sums = (plan(cfg, 2**16, param_grad_dtype=d).grads for d in (None, torch.float32))
     assert fp32_sums == 2 * bf16_sums
-    with pytest.raises(ValueError, match="param_grad_dtype='fp16' must be float32 or param"):
+    with pytest.raises(ValueError, match="param_grad_dtype='fp16' must be one of float32, param"):
         TrainConfig(param_grad_dtype="fp16")
 
 

@@ -89,13 +89,16 @@ def test_sizes_are_finite_and_not_negative(text):
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["plan", "--seq-len", "0"], "argument --seq-len: '0' is not a whole number of tokens >= 1"),
-    (["plan", "--seq-len", "inf"], "argument --seq-len: 'inf' is not a whole number of tokens >= 1"),
+    (["plan", "--seq-len", "0"], "argument --seq-len: '0' is not a whole number of tokens >= 2"),
+    (["plan", "--seq-len", "inf"], "argument --seq-len: 'inf' is not a whole number of tokens >= 2"),
     (["plan", "--batch", "0"], "argument --batch: 0 must be >= 1"),
     (["plan", "--chunk-size", "-4"], "argument --chunk-size: -4 must be >= 1"),
     (["plan", "--tp", "0"], "argument --tp: 0 must be >= 1"),
     (["plan", "--gpu-memory", "infGiB"], "argument --gpu-memory: 'infGiB' is not a size"),
-    (["train", "--seq-len", "nan"], "argument --seq-len: 'nan' is not a whole number of tokens >= 1"),
+    (["train", "--seq-len", "nan"], "argument --seq-len: 'nan' is not a whole number of tokens >= 2"),
+    (["train", "--steps", "0"], "argument --steps: 0 must be >= 1"),
+    (["train", "--lr", "inf"], "argument --lr: 'inf' must be a finite number > 0: the peak learning rate, e.g. 3e-4"),
+    (["train", "--backend", "cuda"], "argument --backend: invalid choice: 'cuda'"),
     (["eval", "--chunk-size", "0"], "argument --chunk-size: 0 must be >= 1"),
     (["eval", "--rope-theta", "nan"], "argument --rope-theta: 'nan' must be a finite number > 0"),
     (["eval", "--depths", "0,1.5"], "argument --depths: '0,1.5' must be depths from 0 (start) to 1 (end)"),
@@ -118,8 +121,10 @@ def run_cli(*argv, env=None):
 
 def test_command_lines_end_in_one_line_not_a_trace():
     """End to end: the bad input's line is the last one, no stack trace; no model is built first."""
-    cases = [(["train", "--lr", "inf"], "oomb train: error: lr=inf must be > 0 and finite"),
-             (["train", "--grad-clip", "-1"], "oomb train: error: grad_clip=-1.0 must be >= 0 and finite"),
+    cases = [(["train", "--lr", "inf"], "oomb train: error: argument --lr: 'inf' must be a finite number > 0"),
+             (["train", "--grad-clip", "-1"], "oomb train: error: argument --grad-clip: '-1' must be a finite number "
+                                              ">= 0"),
+             (["train", "--weight-decay", "10", "--lr", "0.1"], "oomb train: error: weight_decay=10 with lr=0.1"),
              (["train", "--rope-scaling", "yarn:inf"], "oomb train: error: --rope-scaling 'yarn:inf': FACTOR=inf"),
              (["train", "--data", "chats.jsonl"], "oomb train: error: --data chats.jsonl is not a token file"),
              (["plan", "--seq-len", "0"], "oomb plan: error: argument --seq-len: '0' is not a whole number of tokens"),

@@ -10,56 +10,7 @@ import sys
 
 import torch
 
-
-def _add_dataclass_args(parser: argparse.ArgumentParser, cls) -> None:
-    for f in dataclasses.fields(cls):
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(f.default, bool) or str(f.type) == "bool | None":  # None: decided from other flags
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-            continue
-        kind = {"float | None": float, "int | None": int}.get(str(f.type), type(f.default))
-        if f.name == "seq_len":
-            kind = parse_tokens  # 64K, 1M
-        parser.add_argument(flag, type=kind, default=f.default, help=f"(default: {f.default!r})")
-
-
-def parse_tokens(text: str, low: int = 1) -> int:
-    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096: a whole number of tokens >= low (an
-    argparse error naming the text otherwise: inf, nan, 0, negative, fractional, not a number)."""
-    t = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < low or value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= {low}; use e.g. 4096, 64K "
-                                         "or 1M")
-    return int(value)
-
-
-def at_least(low: int):
-    """An argparse type: a whole number >= low."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} must be >= {low}")
-        return value
-    return parse
-
-
-def positive_number(text: str) -> float:
-    """An argparse type: a finite number > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text!r} must be a finite number > 0")
-    return value
+from .flags import HelpFormatter, add_config_flag, add_settings, at_least, help_of, parse_tokens, read_config
 
 
 def parse_depths(text: str) -> list[float]:
@@ -122,7 +73,9 @@ def cmd_plan(args) -> None:
                         compile_layers=compiles(config, torch.device("cuda"), bool(args.lora_rank))
                         if args.compile is None else args.compile,
                         param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
-                        keep_attention=args.keep_attention)
+                        # unset: a run keeps only the outputs that fit beside the pages, never what decides
+                        # whether its step fits: counted when asked for (--keep-attention)
+                        keep_attention=bool(args.keep_attention))
     machine = Machine(args.gpu_memory, args.host_memory)
     plan_args = dict(batch=args.batch, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
                      optimizer_shards=args.dp, tp=args.tp)
@@ -220,8 +173,6 @@ def cmd_eval(args) -> None:
     from .train.outputs import make_folder
     from .train.trainer import codec_for, resolve_device, sparse_config
 
-    if args.task not in EVAL_TASKS:
-        raise ValueError(f"--task {args.task!r} is not one of {', '.join(EVAL_TASKS)}")
     check_token_suffix(args.data, "--data")
     if args.plot:  # its folder now: the evaluation's result is not lost to a missing one
         make_folder(os.path.dirname(args.plot), f"--plot {args.plot}")
@@ -336,84 +287,69 @@ def cmd_tokenize(args) -> None:
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    from .memory.device import ALLOCATOR_SETTINGS
-    from .train.config import TrainConfig
-    from .train.data import BIN_DTYPES
-    from .train.needles import DEFAULT_TEMPLATE
+#: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
+PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
+               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "optimizer",
+               "param_grad_dtype", "tp")
+PLAN_OVERRIDES = {
+    "model": {"default": "qwen2.5-7b"},  # plan is for models worth planning: the tiny demo needs none
+    # several lengths in one call, each planned (then the longest context that fits)
+    "seq_len": {"nargs": "+", "default": [2**20], "help": "tokens in each sequence, one plan each, e.g. 64K 1M"},
+    # what the engine benchmarks run: gradients only, no optimizer state
+    "optimizer": {"choices": ("adamw", "adamw8bit", "none"),
+                  "help": help_of("optimizer") + "; none: gradients only (the engine benchmarks)"},
+}
+#: the TrainConfig settings `oomb eval` takes (as oomb train's flags, but for EVAL_OVERRIDES)
+EVAL_FIELDS = ("model", "data", "data_dtype", "seq_len", "batch", "chunk_size", "page_size", "backend", "offload",
+               "sparse_budget", "sparse_chunk_budget", "sparse_sink_pages", "sparse_representative",
+               "sparse_dense_layers", "rope_theta", "rope_scaling", "needle_template", "tokenizer", "recall_keys",
+               "recall_values", "recall_first_id", "recall_pairs", "device", "seed")
+EVAL_OVERRIDES = {
+    # eval builds its engine directly: oomb.auto's 'auto' plans a training step (its dK/dV, its optimizer)
+    "chunk_size": {"default": 1024, "type": at_least(1)},
+    # kv-recall scores recall pairs, so it needs some (train's 0 means no recall task)
+    "recall_pairs": {"default": 64, "type": at_least(1)},
+    # not train's default 0: a model trained with the defaults is scored on other copy-task sequences
+    "seed": {"default": 1},
+}
 
-    # Read when CUDA is first used, which is later: the user's own setting wins.
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
 
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """`oomb` and its subcommands' parsers, by name."""
     parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p_train = sub.add_parser("train", help="train a model (default: the embedded tiny demo, CPU is enough)")
-    _add_dataclass_args(p_train, TrainConfig)
+    commands = {}
+    p_train = commands["train"] = sub.add_parser(
+        "train", help="train a model (default: the embedded tiny demo, CPU is enough)", formatter_class=HelpFormatter,
+        description="Every flag is a TrainConfig setting (oomb.train.config); with --output-dir the run writes "
+                    "them, as it used them, to config.yaml there, which --config reads back.")
+    add_config_flag(p_train)
+    add_settings(p_train)
     p_train.set_defaults(func=cmd_train)
 
-    p_plan = sub.add_parser("plan", help="memory a training step needs, before allocating any")
-    p_plan.add_argument("--model", default="qwen2.5-7b", help="preset name or local checkpoint")
-    p_plan.add_argument("--seq-len", type=parse_tokens, nargs="+", default=[2**20], help="e.g. 64K 1M")
-    p_plan.add_argument("--batch", type=at_least(1), default=1)
-    p_plan.add_argument("--chunk-size", type=lambda t: t if t == "auto" else at_least(1)(t), default="auto",
-                        help="tokens, or auto (as oomb train chooses it)")
-    p_plan.add_argument("--page-size", type=at_least(1), default=128)
-    p_plan.add_argument("--group-pages", type=at_least(1), default=1024,
-                        help="pages per attention call: a dense host layer stages this many at a time")
-    p_plan.add_argument("--kv-grad-dtype", choices=["auto", "float32", "bfloat16"], default="auto")
-    p_plan.add_argument("--offload", choices=["none", "all", "auto"], default="auto")
-    p_plan.add_argument("--checkpoint-layers", action=argparse.BooleanOptionalAction, default=None,
-                        help="recompute each layer in backward (default: auto)")
-    p_plan.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="the layers run compiled (train's --compile), which keeps fewer activations "
-                             "(default: as oomb train on a GPU, on for dense families without LoRA)")
-    p_plan.add_argument("--keep-attention", action="store_true",
-                        help="stage 1 keeps the attention outputs for stage 2 (as many layers' as fit beside the "
-                             "pages on the GPU, the others in pinned host memory)")
-    p_plan.add_argument("--lora-rank", type=at_least(0), default=0, help="LoRA on attention, base frozen (0: full)")
-    p_plan.add_argument("--sparse-budget", type=at_least(0), default=0,
-                        help="> 0: top-k sparse attention (its page representatives and kept selections)")
-    p_plan.add_argument("--optimizer", choices=["adamw", "adamw8bit", "none"], default="adamw",
-                        help="adamw: two bf16 moments (4 B per parameter); adamw8bit: 8-bit moments (2 B); "
-                             "none: gradients only (the engine benchmarks)")
-    p_plan.add_argument("--param-grad-dtype", choices=["float32", "param"], default="float32",
-                        help="what the parameters' chunk gradients are summed in (the trainer's default: float32; "
-                             "param: the weights' bf16, as the engine's default)")
-    p_plan.add_argument("--tp", type=at_least(1), default=1,
-                        help="tensor-parallel ranks sharing each layer's heads, KV pages and MLP: per-GPU plan")
+    p_plan = commands["plan"] = sub.add_parser(
+        "plan", help="memory a training step needs, before allocating any", formatter_class=HelpFormatter,
+        description="The settings are oomb train's (a run's config.yaml plans that run: --config); the free ones "
+                    "(auto, unset) are chosen as oomb train would choose them.")
+    add_config_flag(p_plan)
+    add_settings(p_plan, PLAN_FIELDS, PLAN_OVERRIDES)
     p_plan.add_argument("--dp", type=at_least(1), default=1,
                         help="data-parallel ranks sharing AdamW's state (ZeRO-1, the trainer's default): per-GPU plan")
-    p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"), help="default: one H200")
+    p_plan.add_argument("--gpu-memory", type=parse_bytes, default=parse_bytes("139.8GiB"),
+                        help="the GPU's memory, e.g. 80GB (default: 139.8GiB, one H200)")
     p_plan.add_argument("--host-memory", type=parse_bytes, default=parse_bytes("110GiB"),
-                        help="host RAM pages may pin (default: what a 128 GiB machine leaves)")
-    p_plan.add_argument("--json", action="store_true")
+                        help="host RAM pages may pin (default: 110GiB, what a 128 GiB machine leaves)")
+    p_plan.add_argument("--json", action="store_true", help="one JSON object per sequence length, no table")
     p_plan.set_defaults(func=cmd_plan)
 
-    p_eval = sub.add_parser("eval", help="evaluate a model: loss, loss by position, needle retrieval, key-value "
-                                         "recall by distance, top-k recall")
-    p_eval.add_argument("--task", default="loss", help=f"one of {', '.join(EVAL_TASKS)} (default: loss)")
-    p_eval.add_argument("--model", default="tiny")
-    p_eval.add_argument("--data", default="copy",
-                        help="copy, or a .npy / .bin token file: its first non-overlapping windows of --seq-len "
-                             "(retrieval: the text the needles hide in)")
-    p_eval.add_argument("--data-dtype", choices=BIN_DTYPES, default="uint16", help="of a .bin file's token ids")
-    p_eval.add_argument("--seq-len", type=parse_tokens, default=4096)
+    p_eval = commands["eval"] = sub.add_parser(
+        "eval", help="evaluate a model: loss, loss by position, needle retrieval, key-value recall by distance, "
+                     "top-k recall", formatter_class=HelpFormatter,
+        description="A token file's first non-overlapping windows of --seq-len are evaluated (retrieval: the text "
+                    "the needles hide in); the model's settings are oomb train's flags.")
+    p_eval.add_argument("--task", default="loss", choices=EVAL_TASKS, help="what is measured")
+    add_settings(p_eval, EVAL_FIELDS, EVAL_OVERRIDES)
     p_eval.add_argument("--batches", type=at_least(1), default=4, help="evaluate calls (token files: windows / --batch)")
-    p_eval.add_argument("--batch", type=at_least(1), default=1, help="sequences per evaluate call")
-    p_eval.add_argument("--chunk-size", type=at_least(1), default=1024)
-    p_eval.add_argument("--page-size", type=at_least(1), default=128)
-    p_eval.add_argument("--backend", choices=["auto", "torch", "triton"], default="auto")
-    p_eval.add_argument("--offload", choices=["none", "all", "auto"], default="auto",
-                        help="where K/V pages live (auto: the GPU while they fit, then the host)")
-    p_eval.add_argument("--sparse-budget", type=at_least(0), default=0,
-                        help="> 0: top-k sparse attention over this many pages")
-    p_eval.add_argument("--sparse-chunk-budget", type=at_least(0), default=0, help="0: max(256, --sparse-budget)")
-    p_eval.add_argument("--sparse-sink-pages", type=at_least(0), default=1)
-    p_eval.add_argument("--sparse-representative", choices=["mean", "minmax"], default="mean")
-    p_eval.add_argument("--sparse-dense-layers", default="", help="layers attending densely among top-k ones, e.g. -2,-1")
-    p_eval.add_argument("--rope-theta", type=positive_number, default=None,
-                        help="a new RoPE base (context extension)")
-    p_eval.add_argument("--rope-scaling", default="", help="TYPE:FACTOR, TYPE one of linear, dynamic, yarn, llama3")
     p_eval.add_argument("--buckets", type=lambda t: [parse_tokens(x, low=0) for x in t.split(",")], default=None,
                         help="position-loss: bucket starts, e.g. 0,1024,4096 (default: 0 and powers of two up to "
                              "seq_len)")
@@ -422,22 +358,12 @@ def main(argv: list[str] | None = None) -> None:
     p_eval.add_argument("--depths", type=parse_depths, default=[0, 0.25, 0.5, 0.75, 1],
                         help="retrieval: needle depths (0: start, 1: end)")
     p_eval.add_argument("--samples", type=at_least(1), default=4, help="retrieval: sequences per (length, depth)")
-    p_eval.add_argument("--needle-template", default=DEFAULT_TEMPLATE,
-                        help="retrieval: the needle, with {key} then {value}; the query is its text up to {value}")
-    p_eval.add_argument("--tokenizer", default="", help="retrieval: 'bytes' or a checkpoint (default: the model's)")
-    p_eval.add_argument("--recall-keys", type=at_least(2), default=256, help="kv-recall: key ids (as oomb train's)")
-    p_eval.add_argument("--recall-values", type=at_least(2), default=256, help="kv-recall: value ids (chance: 1 / values)")
-    p_eval.add_argument("--recall-first-id", type=at_least(0), default=None,
-                        help="kv-recall: the first key id (default: the top of the vocabulary, as oomb train's)")
-    p_eval.add_argument("--recall-pairs", type=at_least(1), default=64, help="kv-recall: pairs in each sequence")
     p_eval.add_argument("--queries", type=at_least(1), default=256, help="kv-recall: queries in each distance bucket")
     p_eval.add_argument("--distance-buckets", type=lambda t: [parse_tokens(x, 0) for x in t.split(",")], default=None,
                         help="kv-recall: needle-to-query distance edges, e.g. 0,4K,16K,32K,64K (default: 0, 4K, "
                              "16K, 32K, then doubling, up to seq_len); pairs within one chunk are a bucket of their own")
     p_eval.add_argument("--recall-chunks", type=at_least(1), default=8, help="selection-recall: chunks sampled per sequence")
     p_eval.add_argument("--recall-blocks", type=at_least(1), default=4, help="selection-recall: query blocks per chunk")
-    p_eval.add_argument("--device", default="auto")
-    p_eval.add_argument("--seed", type=at_least(0), default=1)
     p_eval.add_argument("--json", action="store_true", help="the result as one JSON object, the last line of stdout")
     p_eval.add_argument("--plot", default="", help="write a PNG of the result here")
     p_eval.set_defaults(func=cmd_eval)
@@ -471,9 +397,31 @@ def main(argv: list[str] | None = None) -> None:
     p_tok.add_argument("--messages-field", default="messages",
                        help="the records' field holding chat turns ({role, content}; the assistant's tokens trained)")
     p_tok.set_defaults(func=cmd_tokenize)
+    commands.update(corpus=p_corpus, tokenize=p_tok)
+    return parser, commands
 
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, with a --config file's settings as the defaults that the flags given
+    override (an error naming the file and the key exits in one line)."""
+    parser, commands = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "config", ""):
+        try:
+            commands[args.command].set_defaults(**read_config(args.config, commands[args.command]))
+        except ValueError as e:
+            sys.exit(f"oomb {args.command}: error: {e}")
+        args = parser.parse_args(argv)
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    from .memory.device import ALLOCATOR_SETTINGS
     from .train.interrupt import TrainingStopped
+
+    # Read when CUDA is first used, which is later: the user's own setting wins.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR_SETTINGS)
+    args = parse_args(argv)
 
     try:
         args.func(args)

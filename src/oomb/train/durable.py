@@ -39,6 +39,18 @@ def fsync_tree(root: Path) -> None:
     fsync(root)
 
 
+def write_file(path: Path, text: str) -> None:
+    """Replace the file `path` by `text` whole: written under a unique temporary name (which
+    clean_stale() removes after a kill), flushed, renamed into place, its directory flushed: a
+    reader sees the old file or the new one."""
+    path = Path(path)
+    tmp = path.with_name(unique(path.name, "tmp"))
+    tmp.write_text(text)
+    fsync(tmp)
+    os.replace(tmp, path)
+    fsync(path.parent)
+
+
 def publish(tmp: Path, final: Path) -> None:
     """Put the fully written (and flushed) directory `tmp` in place of `final`: a reader sees the
     old one or the new one, never half of either; an old `final` is removed only once the new

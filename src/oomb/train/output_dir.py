@@ -7,6 +7,8 @@ Before any compute, rank 0:
   run resumes (--resume) or replaces them (--overwrite: they are deleted first);
 - removes what a killed run left half-written (durable.clean_stale);
 - resolves --resume latest / auto to the newest verified checkpoint there.
+Once the engine is built, rank 0 writes config.yaml: every setting as the run uses it
+(write_resolved), which `oomb train --config` reads back.
 Once the checkpoint is loaded, the trainer drops the rows of metrics.jsonl after the step it
 resumes from (truncate_metrics: the resumed run writes them again), so that the file holds one
 row per step.
@@ -20,6 +22,8 @@ import os
 from pathlib import Path
 
 from . import checkpoint, durable
+from .checks import weight_dtype
+from .config import TrainConfig, config_yaml
 
 PREVIOUS_RUN = ("metrics.jsonl", "final", "step-*")
 
@@ -137,10 +141,7 @@ def truncate_metrics(path: str | Path, step: int) -> None:
             continue
         if row.get("step", 0) <= step:
             kept.append(line)
-    tmp = path.with_name(durable.unique(path.name, "tmp"))
-    tmp.write_text("".join(line + "\n" for line in kept))
-    durable.fsync(tmp)
-    os.replace(tmp, path)
+    durable.write_file(path, "".join(line + "\n" for line in kept))
 
 
 def _say_nothing_is_saved(cfg) -> None:
@@ -153,3 +154,22 @@ def _say_nothing_is_saved(cfg) -> None:
     else:
         print("oomb train: no --output-dir: nothing will be saved (no checkpoint, no metrics.jsonl, no final model)",
               flush=True)
+
+
+def resolved_config(cfg: TrainConfig, engine, device) -> TrainConfig:
+    """cfg as the run uses it: what oomb.auto chose (chunk_size, kv_grad_dtype, checkpoint_layers),
+    compile, backend, dtype and device resolved, --resume the checkpoint it started from, so a
+    --config of it runs the same step. overwrite is left false: deleting a directory's previous run
+    is this invocation's act, not a setting to repeat. offload 'auto' and keep_attention unset stay
+    so (the engine decides them at each step, from the memory free then), and so does pack unset
+    (the data file decides it)."""
+    e = engine.config
+    return dataclasses.replace(cfg, chunk_size=e.chunk_size, kv_grad_dtype=str(e.kv_grad_dtype).removeprefix("torch."),
+                               checkpoint_layers=e.checkpoint_layers, compile=e.compile_layers,
+                               backend=engine.backend.name, dtype=str(weight_dtype(cfg, device)).removeprefix("torch."),
+                               device=str(device), overwrite=False)
+
+
+def write_resolved(cfg: TrainConfig, engine, device) -> None:
+    """<output_dir>/config.yaml: resolved_config() in the format --config reads, replaced whole."""
+    durable.write_file(Path(cfg.output_dir) / "config.yaml", config_yaml(resolved_config(cfg, engine, device)))

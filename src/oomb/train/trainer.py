@@ -31,7 +31,7 @@ from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
-from .output_dir import open_output_dir, truncate_metrics
+from .output_dir import open_output_dir, truncate_metrics, write_resolved
 from .recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -387,6 +387,8 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
             why = f"--tp {cfg.tp}" if cfg.tp > 1 else f"--float8 {cfg.float8}" if cfg.float8 != "none" else "CUDA"
             raise ValueError(f"{e} (--compile is on by default with {why}: pass --no-compile)") from e
         raise
+    if rank0 and cfg.output_dir:
+        write_resolved(cfg, engine, device)
     vocab = engine.adapter.vocab_size
     # Ranks of one tensor-parallel group read the same data; data-parallel ranks their own. A
     # token file is checked here, before pinning host memory takes its minute.
@@ -512,6 +514,8 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
                     choice = replan_after_oom(cfg, model, device, choice, optimizer, oom)
                     engine = ChunkRecurrentEngine(model, choice.engine)
                     engine.reserve(cfg.batch, cfg.seq_len)
+                    if cfg.output_dir:  # a single process (rank 0): the settings it now runs
+                        write_resolved(cfg, engine, device)
             except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
                 optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
                 stopped = True
