@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
 from ..models.rope import RopeScaling
+from .callbacks import tracker_names
 from .data import BIN_DTYPES, check_token_suffix
 from .needles import DEFAULT_TEMPLATE
 
@@ -132,6 +133,10 @@ class TrainConfig:
     # without it (torchrun sends SIGKILL 30 s after it forwards SIGTERM); 0: no limit
     shutdown_timeout: float = 25.0
     log_every: int = 1
+    # experiment trackers (rank 0), a comma list of tensorboard (event files in <output_dir>/tensorboard), wandb,
+    # mlflow, trackio: each gets every metrics.jsonl row and the resolved configuration; each is an extra
+    # (pip install 'oomb[wandb]'); empty or 'none': no tracker
+    report_to: str = ""
     max_bad_steps: int = 3  # non-finite loss or gradient norm this many steps in a row: stop (with a checkpoint)
     eval_every: int = 0  # > 0: held-out loss every this many steps and at the end
     eval_data: str = ""  # its source (as --data); empty: the training source with another seed
@@ -201,6 +206,9 @@ class TrainConfig:
                              "carries loss)")
         if self.rope_scaling:
             RopeScaling.parse(self.rope_scaling)  # its form and factor, before anything is built
+        if "tensorboard" in tracker_names(self.report_to) and not self.output_dir:
+            raise ValueError(f"report_to={self.report_to!r}: tensorboard writes its event files into "
+                             "<output_dir>/tensorboard and no output_dir is given; add --output-dir DIR")
         check_token_suffix(self.data, "--data")
         if self.eval_data:
             check_token_suffix(self.eval_data, "--eval-data")
