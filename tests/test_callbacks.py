@@ -3,6 +3,7 @@ metrics.jsonl, a stop asked by a hook, TensorBoard's event files read back, and 
 tracker refused before any compute (tiny preset, CPU)."""
 import dataclasses
 import json
+import os
 import sys
 import types
 
@@ -174,3 +175,41 @@ def test_wandb_mlflow_and_trackio_get_the_rows_and_the_configuration(tmp_path, m
     assert init[3]["name"] == "run-a" and init[3]["config"]["report_to"] == "wandb,mlflow,trackio"
     params = next(c for c in calls if c[:2] == ("mlflow", "log_params"))[2][0]
     assert params["seq_len"] == 256 and params["rope_theta"] == ""
+
+
+STOP_SCRIPT = """
+import os, oomb
+
+class Stop(oomb.Callback):
+    def on_step_end(self, step, metrics):
+        print(f"rank {os.environ['RANK']} on_step_end {step}", flush=True)
+        return step == 2
+
+losses = oomb.train(oomb.TrainConfig(seq_len=256, chunk_size=128, page_size=64, steps=5, backend="torch",
+                                     output_dir=OUT, report_to="tensorboard"), callbacks=[Stop()])
+print(f"rank {os.environ['RANK']} ran {len(losses)} steps", flush=True)
+"""
+
+
+def test_a_stop_under_torchrun_reaches_every_rank(tmp_path):
+    """2 data-parallel ranks: the callbacks run on rank 0 only, and its stop ends both ranks after the
+    same step (a rank that went on would wait forever at the next collective); one event file."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_SCRIPT.replace("OUT", repr(str(tmp_path / "run"))))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                          str(port), str(script)], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert [line for line in lines if line.startswith("rank") and "on_step_end" in line] == \
+        ["rank 0 on_step_end 1", "rank 0 on_step_end 2"]
+    assert sorted(line for line in lines if " ran " in line) == ["rank 0 ran 2 steps", "rank 1 ran 2 steps"]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "final", "metrics.jsonl", "step-000002",
+                                                                   "tensorboard"]
+    assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1
