@@ -122,7 +122,7 @@ class TrainConfig:
     # where checkpoints, metrics.jsonl and the final model go (one run at a time: a lock); empty: nothing is
     # written. A directory holding a previous run's files is refused unless the run resumes or overwrites it
     output_dir: str = ""
-    overwrite: bool = False  # delete the previous run's metrics.jsonl, step-* and final in output_dir first
+    overwrite: bool = False  # delete the previous run's metrics.jsonl, step-*, final, tensorboard in output_dir first
     save_every: int = 0  # steps between checkpoints (0: only at the end, if output_dir is set)
     save_total_limit: int = 0  # > 0: keep this many step-* checkpoints, the oldest deleted once a new one is verified
     save: bool = True  # False: no checkpoints and no final model, only metrics.jsonl (a benchmark's run)
