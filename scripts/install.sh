@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Install oomb (and with --dev its test tools: pytest, torchao for the adamw8bit tests, pyarrow and
-# datasets for the data-format tests). Keeps a torch that is already installed (a CUDA build on a
-# GPU machine); otherwise takes torch 2.13.0, which on the project's CPU machines is a local CPU
-# build (an unpinned torch would download a multi-GB CUDA build).
+# datasets for the data-format tests, tensorboard for the --report-to read-back test). Keeps a torch
+# that is already installed (a CUDA build on a GPU machine); otherwise takes torch 2.13.0, which on
+# the project's CPU machines is a local CPU build (an unpinned torch would download a multi-GB CUDA
+# build).
 #
 # Offline, with the dependencies installed, it installs without fetching anything: pip's default
 # build runs in an isolated environment into which it downloads setuptools. So the build uses

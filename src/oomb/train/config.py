@@ -14,6 +14,7 @@ from ..attention.sparse import REPRESENTATIVES
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
 from ..models.rope import RopeScaling
 from ..placement import OFFLOAD_MODES
+from .callbacks import tracker_names
 from .data import BIN_DTYPES, check_token_suffix
 from .needles import DEFAULT_TEMPLATE
 
@@ -168,7 +169,8 @@ class TrainConfig:
                                   "final model go (one run at a time: a lock); empty: nothing is written. A "
                                   "directory holding a previous run's files is refused unless the run resumes or "
                                   "overwrites it")
-    overwrite: bool = setting(False, "delete the previous run's metrics.jsonl, step-* and final in output_dir first")
+    overwrite: bool = setting(False, "delete the previous run's metrics.jsonl, step-*, final and tensorboard in "
+                                               "output_dir first")
     save_every: int = setting(0, "steps between checkpoints (0: only at the end, if output_dir is set)")
     save_total_limit: int = setting(0, "> 0: keep this many step-* checkpoints, the oldest deleted once a new one "
                                        "is verified")
@@ -180,6 +182,10 @@ class TrainConfig:
                                             "boundary and writes its checkpoint, else exits without it (torchrun "
                                             "sends SIGKILL 30 s after it forwards SIGTERM); 0: no limit")
     log_every: int = setting(1, "steps between log lines")
+    report_to: str = setting("", "experiment trackers (rank 0), a comma list of tensorboard (event files in "
+                                 "<output_dir>/tensorboard), wandb, mlflow, trackio: each gets every metrics.jsonl row "
+                                 "and the resolved configuration; each is an extra (pip install 'oomb[wandb]'); empty "
+                                 "or 'none': no tracker")
     max_bad_steps: int = setting(3, "non-finite loss or gradient norm this many steps in a row: stop (with a "
                                     "checkpoint)")
     eval_every: int = setting(0, "> 0: held-out loss every this many steps and at the end")
@@ -255,6 +261,12 @@ class TrainConfig:
                              "carries loss)")
         if self.rope_scaling:
             RopeScaling.parse(self.rope_scaling)  # its form and factor, before anything is built
+        if "tensorboard" in tracker_names(self.report_to) and not self.output_dir:
+            raise ValueError(f"report_to={self.report_to!r}: tensorboard writes its event files into "
+                             "<output_dir>/tensorboard and no output_dir is given; add --output-dir DIR")
+        if "tensorboard" in tracker_names(self.report_to) and not self.output_dir:
+            raise ValueError(f"report_to={self.report_to!r}: tensorboard writes its event files into "
+                             "<output_dir>/tensorboard and no output_dir is given; add --output-dir DIR")
         check_token_suffix(self.data, "--data")
         if self.eval_data:
             check_token_suffix(self.eval_data, "--eval-data")

@@ -55,7 +55,7 @@ class StepLogger:
         self.start = time.perf_counter()
 
     def log(self, step: int, loss: float, tokens: int, seconds: float, lr: float, grad_norm: float,
-            memory: dict | None = None) -> None:
+            memory: dict | None = None) -> dict:
         """memory: memory_now()'s figures after the step (and the trainer's host_layers), recorded
         in metrics.jsonl (a soak run's evidence that nothing grows from step to step: bench/soak.py)."""
         elapsed = time.perf_counter() - self.start
@@ -67,28 +67,30 @@ class StepLogger:
         # CUDA: what the caching allocator held at most too (a step fails when that reaches the GPU's size)
         reserved = ({"peak_reserved_gib": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)}
                     if self.device.type == "cuda" else {})
-        self._record({"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
-                      "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
-                      "peak_mem_gib": round(mem, 3), **reserved, **(memory or {})})
+        return self._record({"step": step, "loss": loss, "tokens": tokens, "step_s": round(seconds, 3),
+                             "tok_s": round(tokens / seconds, 1), "lr": lr, "grad_norm": grad_norm,
+                             "peak_mem_gib": round(mem, 3), **reserved, **(memory or {})})
 
-    def log_skipped(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> None:
+    def log_skipped(self, step: int, loss: float, grad_norm: float, in_a_row: int) -> dict:
         """A step whose loss or gradient norm was not finite: no optimizer step (metrics.jsonl keeps
         the count; JSON has no NaN, so the values are strings)."""
-        self._record({"step": step, "skipped": True, "loss": str(loss), "grad_norm": str(grad_norm),
-                      "bad_in_a_row": in_a_row})
+        return self._record({"step": step, "skipped": True, "loss": str(loss), "grad_norm": str(grad_norm),
+                             "bad_in_a_row": in_a_row})
 
-    def log_eval(self, step: int, loss: float, tokens: int, seconds: float, recall: dict | None = None) -> None:
+    def log_eval(self, step: int, loss: float, tokens: int, seconds: float, recall: dict | None = None) -> dict:
         """recall: the held-out recall pairs' accuracy by distance bucket (train/recall.py)."""
         by = "  recall " + ", ".join(f"{k} {v:.2f}" for k, v in recall.items()) if recall else ""
         print(f"eval {step:>5}/{self.total_steps}  loss {loss:.4f}  ppl {math.exp(min(loss, 700)):.2f}  "
               f"({tokens:,} tokens, {seconds:.1f}s){by}", file=self.stream, flush=True)
-        self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3),
-                      **({"eval_recall": recall} if recall else {})})
+        return self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3),
+                             **({"eval_recall": recall} if recall else {})})
 
-    def _record(self, row: dict) -> None:
+    def _record(self, row: dict) -> dict:
+        """Appends `row` to metrics.jsonl; returns it (the callbacks get the same row)."""
         if self.metrics:
             with open(self.metrics, "a") as f:
                 f.write(json.dumps(row) + "\n")
+        return row
 
 
 class ChunkBars:

@@ -3,7 +3,7 @@
 Before any compute, rank 0:
 - takes an exclusive lock (fcntl.flock on <output_dir>/.lock, held until the run ends): a second
   run into the same directory is refused while the first one lives;
-- refuses a directory holding a previous run's files (metrics.jsonl, step-*, final) unless the
+- refuses a directory holding a previous run's files (metrics.jsonl, step-*, final, tensorboard) unless the
   run resumes (--resume) or replaces them (--overwrite: they are deleted first);
 - removes what a killed run left half-written (durable.clean_stale);
 - resolves --resume latest / auto to the newest verified checkpoint there.
@@ -25,7 +25,7 @@ from . import checkpoint, durable
 from .checks import weight_dtype
 from .config import TrainConfig, config_yaml
 
-PREVIOUS_RUN = ("metrics.jsonl", "final", "step-*")
+PREVIOUS_RUN = ("metrics.jsonl", "final", "step-*", "tensorboard")  # tensorboard: --report-to's event files
 
 
 class Lock:

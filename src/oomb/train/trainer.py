@@ -1,6 +1,7 @@
 """The training loop: the engine computes gradients, this owns data, optimizer and state."""
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -25,13 +26,14 @@ from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_n
 from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
+from .callbacks import CallbackList, trackers
 from .checks import check_finite_weights, check_model_fits, resume_note, weight_dtype
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
-from .output_dir import open_output_dir, truncate_metrics, write_resolved
+from .output_dir import open_output_dir, resolved_config, truncate_metrics, write_resolved
 from .recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -339,13 +341,16 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     return float(total[0] / total[1]), int(total[1]), accuracy
 
 
-def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]:
+def train(cfg: TrainConfig, kernels: KernelOptions | None = None, callbacks=()) -> list[float]:
     """Run cfg.steps optimizer steps; returns the loss of every step. kernels: the engine's
-    KernelOptions (the command line passes KernelOptions.from_env(os.environ)).
+    KernelOptions (the command line passes KernelOptions.from_env(os.environ)). callbacks: objects
+    with on_step_end / on_evaluate / on_save ... hooks (train/callbacks.py), called on rank 0 before
+    cfg.report_to's trackers; one can stop the run.
 
     Under torchrun (WORLD_SIZE > 1) the ranks form a (data-parallel, tensor-parallel) mesh:
     `cfg.tp` ranks share each sequence, the rest each take their own; rank 0 logs and saves.
     """
+    hooks = CallbackList([*callbacks, *trackers(cfg)])  # a tracker's missing package: an error before any compute
     torch.manual_seed(cfg.seed)
     distributed = world_size() > 1
     if cfg.tp > 1 and not distributed:
@@ -353,14 +358,16 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     mesh = init_distributed(cfg.tp, cfg.process_group_timeout) if distributed else None
     rank0 = not distributed or dist.get_rank() == 0
     cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
+    hooks = hooks if rank0 else CallbackList()
     try:
-        return _run(cfg, kernels, mesh, rank0)
+        return _run(cfg, kernels, mesh, rank0, hooks)
     finally:
+        hooks.end()
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> list[float]:
+def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hooks: CallbackList) -> list[float]:
     """train() once the output directory is this run's."""
     distributed = mesh is not None
     dp_group = mesh["dp"].get_group() if mesh is not None else None
@@ -439,6 +446,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
               f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
               f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
               f"{cfg.steps} steps", flush=True)
+    hooks.begin(step, dataclasses.asdict(resolved_config(cfg, engine, device)))
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     if metrics:  # a resumed run writes the rows after its step again
         truncate_metrics(metrics, step)
@@ -477,8 +485,9 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
     # stopped: the ranks agreed to stop (a signal after the last agreement is not acted on by its rank alone:
     # the ranks would part at the next collective)
     losses, bad, stopped = [], 0, False
+    stop = False  # a callback asked to stop: this step is the run's last
     try:
-        while step < cfg.steps:
+        while step < cfg.steps and not stop:
             micro = [next(data) for _ in range(cfg.grad_accum)]
             if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
                 micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
@@ -538,28 +547,36 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
             step_s = time.perf_counter() - t0
             step += 1
             losses.append(loss)
+            row = None  # this step's metrics.jsonl row, if it is logged
             if rank0 and not finite:
                 print(f"oomb train: step {step}: loss {loss}, gradient norm {grad_norm}: not finite, optimizer step "
                       f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
-                logger.log_skipped(step, loss, grad_norm, bad)
+                row = logger.log_skipped(step, loss, grad_norm, bad)
             elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-                logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, step_s,
-                           float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
-                           # the layers whose pages offload put on the host: what a soak run exercised
-                           {**memory_now(device, engine.pinned_bytes()), "host_layers": len(engine.store.host_layers)})
+                row = logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, step_s,
+                                 float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
+                                 # the layers whose pages offload put on the host: what a soak run exercised
+                                 {**memory_now(device, engine.pinned_bytes()),
+                                  "host_layers": len(engine.store.host_layers)})
+            if row is not None:
+                hooks.step_end(step, row)
+            stop = hooks.agreed(stop_group)
             if bad >= cfg.max_bad_steps:
                 where = f"; the weights of step {step - bad} are in {save(step)}" if cfg.saves else ""
                 raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
                                       f"{step - bad + 1}-{step}){where}. Lower --lr (now {cfg.lr:g}), check the data "
                                       "of those steps, or raise --max-bad-steps")
-            if held_out and (step % cfg.eval_every == 0 or step == cfg.steps):
+            if held_out and (step % cfg.eval_every == 0 or step == cfg.steps or stop):
                 t0 = time.perf_counter()
                 eval_loss, eval_tokens, recall = evaluate(engine, model, held_out, dp_group, device,
                                                           recall_task(cfg) if cfg.recall_pairs else None)
                 if rank0:
-                    logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0, recall)
-            if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps):
-                save(step)
+                    hooks.evaluate(step, logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0,
+                                                         recall))
+                stop = hooks.agreed(stop_group)
+            if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop):
+                hooks.save(step, save(step))
+                stop = hooks.agreed(stop_group)
             if len(losses) > 1:  # the run's first step compiles and warms up: not a pass's time
                 passes = cfg.grad_accum * (2 * -(-cfg.seq_len // engine.chunk_size) - 1)  # the step's chunk passes
                 interrupt.check_time(step_s / passes, stop_passes, save_s)
