@@ -82,7 +82,7 @@ def test_a_callback_stops_the_run_like_a_normal_end(tmp_path, stop_at, capsys):
     assert [c[:2] for c in rec.calls] == [("begin", 0), ("step", 1), ("step", 2), *[("eval", 2)] * evaluated,
                                          ("save", 2), ("end",)]
     assert [r["step"] for r in rows(tmp_path)] == [1, 2, 2][: 2 + evaluated]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "final", "metrics.jsonl", "step-000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", "config.yaml", "final", "metrics.jsonl", "step-000002"]
     hook = {"step": "on_step_end", "eval": "on_evaluate", "save": "on_save"}[stop_at[0]]
     assert f"Recorder.{hook} asked the run to stop: step 2 is its last" in capsys.readouterr().out
 
@@ -210,6 +210,6 @@ def test_a_stop_under_torchrun_reaches_every_rank(tmp_path):
     assert [line for line in lines if line.startswith("rank") and "on_step_end" in line] == \
         ["rank 0 on_step_end 1", "rank 0 on_step_end 2"]
     assert sorted(line for line in lines if " ran " in line) == ["rank 0 ran 2 steps", "rank 1 ran 2 steps"]
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "final", "metrics.jsonl", "step-000002",
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == [".lock", "config.yaml", "final", "metrics.jsonl", "step-000002",
                                                                    "tensorboard"]
     assert len(list((tmp_path / "run" / "tensorboard").iterdir())) == 1
