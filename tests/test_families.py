@@ -25,10 +25,10 @@ OFFLOAD = {"offload": "all", "group_pages": 2}
 TOP_K_ALL = {"sparse": oomb.TopKPages(budget=16, block_queries=16)}  # the budget covers every page: dense
 
 
-@pytest.mark.parametrize("family,kwargs", [(f, {}) for f in FAMILIES] + [
-    ("mistral_window", OFFLOAD), ("phi3_longrope", OFFLOAD), ("mixtral", OFFLOAD),
-    ("mistral", TOP_K_ALL), ("phi3", TOP_K_ALL), ("qwen3_moe", TOP_K_ALL),
-    ("mistral_window", {"chunk_size": 16}),  # window 24 > chunk: reaches two chunks back
+@pytest.mark.parametrize("family,kwargs", [pytest.param(f, {}, id=f"{f}-dense") for f in FAMILIES] + [
+    pytest.param(f, OFFLOAD, id=f"{f}-offload-all") for f in ("mistral_window", "phi3_longrope", "mixtral")] + [
+    pytest.param(f, TOP_K_ALL, id=f"{f}-top-k") for f in ("mistral", "phi3", "qwen3_moe")] + [
+    pytest.param("mistral_window", {"chunk_size": 16}, id="mistral_window-chunk-16"),  # window 24 > chunk
 ])
 def test_equals_full_sequence(family, kwargs):
     check_against_full_sequence(make_model(family), *batch(), **{"chunk_size": 32, "page_size": 16,
