@@ -18,7 +18,9 @@ def test_chunk_not_multiple_of_page(model):
 
 
 def test_unsupported_model_names_supported_ones():
-    with pytest.raises(TypeError, match=r"Linear is not supported.*LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM"):
+    supported = ("LlamaForCausalLM, MistralForCausalLM, MixtralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM, "
+                 "Qwen3ForCausalLM, Qwen3MoeForCausalLM")
+    with pytest.raises(TypeError, match=rf"Linear is not supported.*{supported}"):
         oomb.ChunkRecurrentEngine(nn.Linear(2, 2))
     with pytest.raises(TypeError, match="must be a transformers causal LM"):
         oomb.ChunkRecurrentEngine("Qwen/Qwen2.5-7B")

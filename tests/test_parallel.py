@@ -108,7 +108,7 @@ def test_tp_refuses_moe_layers_clearly():
     class Mesh:
         def size(self):
             return 2
-    with pytest.raises(ValueError, match=r"no mlp.gate_proj \(GPT-OSS's experts are not split\)"):
+    with pytest.raises(ValueError, match=r"not implemented for GptOssForCausalLM \(its experts are not split\)"):
         apply_tensor_parallel(make_model("gpt_oss"), Mesh())
 
 

@@ -1,7 +1,9 @@
 """Tiny random transformers models of every supported family, for exactness tests."""
 import torch
-from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 VOCAB = 97
 
@@ -35,6 +37,30 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2,
                            layer_types=["sliding_attention", "full_attention"] * (layers // 2),
                            tie_word_embeddings=False, **common)
         cls = GptOssForCausalLM
+    elif family in ("mistral", "mistral_window"):  # explicit head_dim; a window of 24 on every layer, or none
+        cfg = MistralConfig(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, sliding_window=24 if family == "mistral_window" else None,
+                            tie_word_embeddings=False, **common)
+        cls = MistralForCausalLM
+    elif family in ("phi3", "phi3_longrope"):  # fused qkv / gate_up, half of each head rotated, tied embeddings
+        rope = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+        if family == "phi3_longrope":  # LongRoPE: long factors past 64 positions (4 = rotated dims / 2)
+            rope.update(rope_type="longrope", short_factor=[1.0, 1.1, 1.2, 1.5], long_factor=[1.0, 2.0, 4.0, 8.0])
+        cfg = Phi3Config(hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                         rope_parameters=rope, original_max_position_embeddings=64, tie_word_embeddings=True,
+                         resid_pdrop=0.0, embd_pdrop=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                         **common)
+        cls = Phi3ForCausalLM
+    elif family == "qwen3_moe":  # q/k norms, 4 experts (top 2, renormalised); layer 1 a dense MLP
+        cfg = Qwen3MoeConfig(hidden_size=48, intermediate_size=64, moe_intermediate_size=32, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False, **common)
+        cls = Qwen3MoeForCausalLM
+    elif family == "mixtral":  # 4 SwiGLU experts, top 2
+        cfg = MixtralConfig(hidden_size=48, intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+                            num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
+                            tie_word_embeddings=False, **common)
+        cls = MixtralForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"

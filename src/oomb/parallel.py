@@ -90,6 +90,9 @@ def host_group(timeout_s: float = 600.0):
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Split every decoder layer's attention heads and MLP columns over `tp_mesh` (in place)."""
     adapter = adapter_for(model)
+    if adapter.tp_refusal:
+        raise ValueError(f"tensor parallelism is not implemented for {type(adapter.causal_lm).__name__} "
+                         f"({adapter.tp_refusal}); train it data-parallel (--tp 1)")
     size = tp_mesh.size()
     for name, count in (("num_attention_heads", adapter.n_heads), ("num_key_value_heads", adapter.n_kv_heads)):
         if count % size:
@@ -120,9 +123,8 @@ def _linear_plan(layer: nn.Module, name: str, style: str) -> dict:
     try:
         module = layer.get_submodule(name)
     except AttributeError:
-        raise ValueError(f"tensor parallelism splits the attention and dense-MLP projections of Qwen2/Llama/Qwen3 "
-                         f"layers; this model's layers have no {name} (GPT-OSS's experts are not split): "
-                         "train it data-parallel (--tp 1)") from None
+        raise ValueError(f"tensor parallelism splits the attention and dense-MLP projections of a decoder layer; "
+                         f"this model's layers have no {name}: train it data-parallel (--tp 1)") from None
     if isinstance(module, nn.Linear):
         return {name: parallel()}
     base = getattr(module, "base_layer", None)

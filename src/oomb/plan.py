@@ -15,6 +15,7 @@ from . import placement
 from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
 from .memory.spec import PageSpec, staged_slots, staging_bytes
+from .models import adapter_class
 from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
 
@@ -120,7 +121,8 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     chunk_size, page_size, sparse = engine.chunk_size, engine.page_size, engine.sparse
     checkpoint_layers, compiled = engine.checkpoint_layers, engine.compile_layers
     keep_attention, param_grad_dtype = engine.keep_attention is not False, engine.param_grad_dtype
-    hidden, inter = config.hidden_size, config.intermediate_size
+    # an expert's width (Qwen3-MoE names it apart from its dense MLP's)
+    hidden, inter = config.hidden_size, getattr(config, "moe_intermediate_size", None) or config.intermediate_size
     n_layers, vocab = config.num_hidden_layers, config.vocab_size
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     head_dim = head_dim_of(config)
@@ -129,9 +131,10 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or heads % tp or kv_heads % tp:
         raise ValueError(f"tp={tp!r} must be a degree that divides num_attention_heads={heads} and "
                          f"num_key_value_heads={kv_heads}")
-    if tp > 1 and experts:
-        raise ValueError(f"tp={tp}: tensor parallelism splits dense MLPs only (this model routes each token to "
-                         f"{experts} experts); use data parallelism")
+    family = adapter_class(config)
+    if tp > 1 and family.tp_refusal:
+        raise ValueError(f"tp={tp}: tensor parallelism is not implemented for {family.model_classes[0]} "
+                         f"({family.tp_refusal}); use data parallelism")
     if n_params is None:
         total, split = count_params(config, split=True)
         n_params = total - split + split // tp  # this rank's
@@ -144,7 +147,7 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     chunk_pages = chunk_size // page_size
     stored_pages = (n_chunks - 1) * chunk_pages  # the last chunk is never stored
     # Sliding-window layers keep only the pages of a chunk that a later window reaches (the engine's tails).
-    windows = [_window(config, i) for i in range(n_layers)]
+    windows = [family.layer_window(config, i) for i in range(n_layers)]
     n_full = sum(1 for w in windows if not w)
     layer_pages = [stored_pages if not w else (n_chunks - 1) * min(chunk_pages, -(-(w - 1) // page_size))
                    for w in windows]
@@ -224,12 +227,6 @@ def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_
         blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
         chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
     return {"representatives": n_full * reps, "selections": n_full * chosen}
-
-
-def _window(config, layer: int) -> int:
-    """Sliding-window length of a layer in a transformers config, 0 for full attention."""
-    types = getattr(config, "layer_types", None)
-    return config.sliding_window if types and types[layer] == "sliding_attention" else 0
 
 
 #: the projections tensor parallelism splits (oomb.parallel.apply_tensor_parallel)

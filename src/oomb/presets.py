@@ -8,7 +8,8 @@ from __future__ import annotations
 import os
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen2Config
+from transformers import (AutoConfig, AutoModelForCausalLM, GptOssConfig, MistralConfig, MixtralConfig, Phi3Config,
+                          PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
 
 from .models.quiet import import_model_code
 from .models.rope import apply_rope
@@ -41,8 +42,35 @@ PRESETS = {
     "gpt-oss-20b": dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
                         num_key_value_heads=8, head_dim=64, num_local_experts=32, num_experts_per_tok=4,
                         vocab_size=201088, sliding_window=128, tie_word_embeddings=False),
+    # Mistral-7B v0.3: Llama shape with a 32768 vocabulary, no sliding window
+    "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=32768, rope_theta=1e6, rms_norm_eps=1e-5,
+                       max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False),
+    # Phi-4-mini: fused qkv/gate_up, 3/4 of each head rotated, tied embeddings. RoPE plain: the
+    # checkpoint's LongRoPE factors come with its config; its sliding_window (262,144) is past its
+    # 131,072 positions, so full attention here
+    "phi-4-mini": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
+                       num_key_value_heads=8, vocab_size=200064, rms_norm_eps=1e-5, max_position_embeddings=131072,
+                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                       sliding_window=None, tie_word_embeddings=True),
+    # Phi-3-medium (14B): the 4K checkpoint's shape; full attention (its config's window is 2047)
+    "phi-3-medium": dict(hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
+                         num_key_value_heads=10, vocab_size=32064, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, sliding_window=None,
+                         tie_word_embeddings=False),
+    # Qwen3-30B-A3B: 48 layers of 128 experts (width 768), 8 routed a token, q/k norms
+    "qwen3-30b-a3b": dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+                          num_experts_per_tok=8, norm_topk_prob=True, vocab_size=151936, rope_theta=1e6,
+                          rms_norm_eps=1e-6, max_position_embeddings=40960, tie_word_embeddings=False),
+    # Mixtral-8x7B: Mistral-7B's attention, 8 SwiGLU experts of width 14336, 2 routed a token
+    "mixtral-8x7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
+                         rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
+                         tie_word_embeddings=False),
 }
-_CONFIGS = {"gpt-oss-20b": GptOssConfig}  # the others are Qwen2
+_CONFIGS = {"gpt-oss-20b": GptOssConfig, "mistral-7b": MistralConfig, "phi-4-mini": Phi3Config,
+            "phi-3-medium": Phi3Config, "qwen3-30b-a3b": Qwen3MoeConfig, "mixtral-8x7b": MixtralConfig}  # others: Qwen2
 
 
 def preset_config(name: str, **overrides) -> PretrainedConfig:
@@ -51,7 +79,7 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     config_class = _CONFIGS.get(name, Qwen2Config)
     if config_class is Qwen2Config:
         overrides = {"max_position_embeddings": 4_194_304, **overrides}
-    elif "num_hidden_layers" in overrides:  # GPT-OSS: keep the sliding/full alternation
+    elif config_class is GptOssConfig and "num_hidden_layers" in overrides:  # keep the sliding/full alternation
         overrides["layer_types"] = [("sliding_attention", "full_attention")[i % 2]
                                     for i in range(overrides["num_hidden_layers"])]
     return config_class(**{**PRESETS[name], **overrides})

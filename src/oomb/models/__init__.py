@@ -6,12 +6,19 @@ from torch import nn
 from .base import DecoderAdapter
 from .gpt_oss import GptOssAdapter
 from .llama import LlamaAdapter
+from .mistral import MistralAdapter
+from .mixtral import MixtralAdapter
+from .phi3 import Phi3Adapter
 from .qwen2 import Qwen2Adapter
 from .qwen3 import Qwen3Adapter
+from .qwen3_moe import Qwen3MoeAdapter
 from .quiet import import_model_code
 
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
-    name: cls for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, GptOssAdapter) for name in cls.model_classes
+    name: cls
+    for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, GptOssAdapter, MistralAdapter, Phi3Adapter, Qwen3MoeAdapter,
+                MixtralAdapter)
+    for name in cls.model_classes
 }
 
 

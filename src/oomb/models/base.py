@@ -31,6 +31,14 @@ class DecoderAdapter:
     compilable: ClassVar[bool] = True
     #: RoPE scaling types `--rope-scaling` may set (models/rope.py)
     rope_types: ClassVar[tuple[str, ...]] = ("linear", "dynamic", "yarn", "llama3")
+    #: whether config.sliding_window, when set, windows every layer (Mistral-style families:
+    #: transformers then masks the whole model with it, whatever config.layer_types says)
+    window_every_layer: ClassVar[bool] = False
+    #: module names PEFT LoRA adapts by default (`--lora-rank`): the family's linear projections
+    lora_targets: ClassVar[tuple[str, ...]] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                               "down_proj")
+    #: why tensor parallelism is refused for this family ("": oomb.parallel splits it)
+    tp_refusal: ClassVar[str] = ""
 
     def __init__(self, causal_lm: nn.Module) -> None:
         self.causal_lm = causal_lm
@@ -62,6 +70,17 @@ class DecoderAdapter:
         weight = getattr(proj, "base_layer", proj).weight
         rows = weight.to_local().shape[0] if hasattr(weight, "to_local") else weight.shape[0]
         return rows // self.head_dim
+
+    @classmethod
+    def layer_window(cls, config, layer_idx: int) -> int:
+        """Sliding-window length of layer `layer_idx` of a transformers config, 0 for full attention
+        (the engine's and the memory plan's one reading of it): config.sliding_window on every layer
+        for the families that window so (their transformers code reads no layer_types), else
+        config.sliding_window on the layers config.layer_types names sliding_attention."""
+        if cls.window_every_layer:
+            return getattr(config, "sliding_window", None) or 0
+        types = getattr(config, "layer_types", None)
+        return config.sliding_window if types and types[layer_idx] == "sliding_attention" else 0
 
     def check_config(self, cfg) -> None:
         """Reject configs whose attention oomb does not compute (raise ValueError)."""
@@ -174,7 +193,7 @@ class DecoderAdapter:
 
     def window(self, layer_idx: int) -> int:
         """Sliding-window length of a layer's attention, 0 for full attention."""
-        return 0
+        return self.layer_window(self.config, layer_idx)
 
     def sinks(self, layer: nn.Module) -> torch.Tensor | None:
         """Per-head attention-sink logits (H,), or None."""

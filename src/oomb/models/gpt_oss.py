@@ -2,21 +2,18 @@
 logit in its softmax denominator, and the MLP is a mixture of experts (transformers' own
 router and experts modules run it)."""
 from .base import DecoderAdapter
+from .experts import RoutedExperts
 
 
-class GptOssAdapter(DecoderAdapter):
+class GptOssAdapter(RoutedExperts, DecoderAdapter):
     model_classes = ("GptOssForCausalLM",)
-    compilable = False  # the experts' routing makes data-dependent shapes
     rope_module = "transformers.models.gpt_oss.modeling_gpt_oss"
     supported_layer_types = ("full_attention", "sliding_attention")
     rope_types = ("yarn",)  # trained with YaRN: a larger factor extends it, another type would discard it
-
-    def window(self, layer_idx: int) -> int:
-        return self.config.sliding_window if self.config.layer_types[layer_idx] == "sliding_attention" else 0
 
     def sinks(self, layer):
         return layer.self_attn.sinks  # (H,)
 
     def mlp(self, layer, x):
-        out, _router_scores = layer.mlp(x)  # the router's aux loss is not part of the LM loss
+        out, _router_scores = layer.mlp(x)  # the router's aux loss is refused (experts.py)
         return out

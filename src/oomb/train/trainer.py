@@ -19,6 +19,7 @@ from ..attention.sparse import TopKPages
 from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
 from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
+from ..models import adapter_class
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
 from ..parallel import (all_reduce_gradients, apply_tensor_parallel, clip_grad_norm_, global_token_count,
@@ -35,8 +36,6 @@ from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
 from .output_dir import open_output_dir, resolved_config, truncate_metrics, write_resolved
 from .recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
-
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -63,7 +62,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
         import peft
 
         lora = peft.LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                               target_modules=LORA_TARGETS)
+                               target_modules=list(adapter_class(model.config).lora_targets))
         with warnings.catch_warnings():  # peft asks transformers 5's deprecated name, once per model
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = peft.get_peft_model(model, lora)

@@ -1,0 +1,174 @@
+"""Mistral, Phi-3, Qwen3-MoE and Mixtral: chunk-recurrent training equals transformers'."""
+import pytest
+import torch
+from torch import nn
+
+import oomb
+from oomb.models import adapter_class
+from test_engine import TOL, check_against_full_sequence
+from test_packing import check_packed, packed_batch
+from tiny_models import VOCAB, full_sequence_grads, make_model, rel_err
+
+# mistral_window: a window of 24 on every layer (< chunk 32: reaches into the chunk before);
+# phi3_longrope: long factors (the sequences pass its 64 original positions) on half of each head
+FAMILIES = ["mistral", "mistral_window", "phi3", "phi3_longrope", "qwen3_moe", "mixtral"]
+
+
+def batch(seq_len=150, rows=2, seed=4):
+    ids = torch.randint(0, VOCAB, (rows, seq_len), generator=torch.Generator().manual_seed(seed))
+    labels = ids.clone()
+    labels[-1, 20:40] = -100
+    return ids, labels
+
+
+OFFLOAD = {"offload": "all", "group_pages": 2}
+TOP_K_ALL = {"sparse": oomb.TopKPages(budget=16, block_queries=16)}  # the budget covers every page: dense
+
+
+@pytest.mark.parametrize("family,kwargs", [pytest.param(f, {}, id=f"{f}-dense") for f in FAMILIES] + [
+    pytest.param(f, OFFLOAD, id=f"{f}-offload-all") for f in ("mistral_window", "phi3_longrope", "mixtral")] + [
+    pytest.param(f, TOP_K_ALL, id=f"{f}-top-k") for f in ("mistral", "phi3", "qwen3_moe")] + [
+    pytest.param("mistral_window", {"chunk_size": 16}, id="mistral_window-chunk-16"),  # window 24 > chunk
+])
+def test_equals_full_sequence(family, kwargs):
+    check_against_full_sequence(make_model(family), *batch(), **{"chunk_size": 32, "page_size": 16,
+                                                                 "backend": "torch", **kwargs})
+
+
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope"])
+def test_triton_equals_full_sequence(family):
+    """The Triton kernels (interpreted on CPU, float32): window masks, partial rotary (the experts'
+    MLP runs outside the kernels, as GPT-OSS's does in tests/test_gpt_oss.py)."""
+    check_against_full_sequence(make_model(family), *batch(96, rows=1), chunk_size=32, page_size=16,
+                                backend="triton", group_pages=2)
+
+
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe", "mixtral"])
+def test_packed_equals_documents_alone(family):
+    """Each document rotated by its own positions (LongRoPE: by its own length) and windowed within itself."""
+    check_packed(make_model(family), *packed_batch(), chunk_size=32, page_size=16, backend="torch")
+
+
+def test_sliding_window_is_honoured_on_every_layer():
+    """Mistral's config.sliding_window windows every layer: window 8 < page 16 keeps one page a
+    chunk per layer (none goes to the host), the memory plan counts those pages, and the
+    gradients equal transformers' (whose mask the window changes)."""
+    from oomb.plan import plan
+    model = make_model("mistral_window")
+    model.config.sliding_window = 8
+    ids, labels = batch()
+    ref_loss, ref = full_sequence_grads(model, ids, labels)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch", offload="all")
+    assert rel_err(engine.forward_backward(ids, labels).loss, ref_loss) <= TOL
+    assert all(rel_err(p.grad, ref[n]) <= TOL for n, p in model.named_parameters())
+    assert engine.store.tail_pages == {0: 1, 1: 1} and engine.store.host.layers == []
+    p = plan(model.config, 150, batch=2, chunk_size=32, page_size=16, dtype=torch.float32)
+    assert p.full_layers == 0 and p.window_pages == 2 * 4 * 2 * engine.store.spec.page_bytes  # layers x chunks x rows
+
+
+def test_lora_targets():
+    """The adapter's LoRA targets: every nn.Linear of a dense family's decoder layers (Phi-3's
+    fused qkv_proj and gate_up_proj included), the attention projections of a mixture of experts
+    (its experts are 3-D parameters; Qwen3-MoE's dense MLP layers are left alike); LoRA gradients
+    through oomb equal transformers'."""
+    import peft
+    for family in ("mistral", "phi3", "qwen3_moe", "mixtral"):
+        model = make_model(family)
+        linears = {n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
+        if family in ("qwen3_moe", "mixtral"):
+            linears = {n for n in linears if ".self_attn." in n}
+        targets = list(adapter_class(model.config).lora_targets)
+        lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                          init_lora_weights=False))
+        adapted = {n.removeprefix("base_model.model.model.layers.") for n, m in lora.named_modules()
+                   if hasattr(m, "lora_A")}
+        assert len(linears) >= 8 and adapted == linears, (family, linears ^ adapted)
+        if family in ("phi3", "mixtral"):
+            check_against_full_sequence(lora, *batch(96, rows=1), chunk_size=32, page_size=16, backend="torch")
+
+
+def test_phi3_residual_dropout_recompute_is_consistent():
+    """resid_pdrop: the model's own Dropout modules run on both residual branches; stage 2 must
+    redraw stage 1's masks. Layer 1's qkv_proj sees layer 0's dropped residuals: recorded per
+    call, each chunk's two outputs match, and differ from those without dropout."""
+    model = make_model("phi3")
+    model.train()
+    qkv = model.model.layers[1].self_attn.qkv_proj
+    outputs = []
+    qkv.register_forward_hook(lambda mod, inp, out: outputs.append(out.detach().clone()))
+    ids = batch(130, rows=1)[0]  # 5 chunks
+    for p in (0.3, 0.0):
+        for layer in model.model.layers:
+            layer.resid_attn_dropout.p = layer.resid_mlp_dropout.p = p
+        oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch").forward_backward(ids)
+    dropped, plain = outputs[:9], outputs[9:]
+    for c in range(4):
+        assert torch.equal(dropped[c], dropped[8 - c]), f"chunk {c} recomputed with other dropout masks"
+        assert not torch.equal(dropped[c], plain[c])
+
+
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe"])
+def test_export_loads_with_from_pretrained(family, tmp_path):
+    """A step through oomb, then the export: transformers loads the same weights and config
+    (sliding window, LongRoPE, experts)."""
+    from transformers import AutoModelForCausalLM
+
+    from oomb.train.checkpoint import export
+    model = make_model(family)
+    oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch").forward_backward(batch()[0])
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1 * p.grad)
+    loaded = AutoModelForCausalLM.from_pretrained(export(tmp_path, model, source="random"))
+    assert type(loaded) is type(model)
+    assert loaded.config.sliding_window == model.config.sliding_window
+    assert loaded.config.rope_parameters == model.config.rope_parameters
+    got = dict(loaded.named_parameters())
+    assert got.keys() == dict(model.named_parameters()).keys()
+    assert all(torch.equal(got[n], p) for n, p in model.named_parameters())
+
+
+def test_tensor_parallel_refused_where_not_split():
+    """Fused q/k/v (Phi-3) and experts are refused by name, by the planner and by the splitter;
+    Mistral's separate projections split as Llama's do."""
+    from oomb.parallel import apply_tensor_parallel
+    from oomb.plan import plan
+
+    class Mesh:
+        def size(self):
+            return 2
+    for family, reason in (("phi3", "fused qkv_proj"), ("qwen3_moe", "experts"), ("mixtral", "experts")):
+        model = make_model(family)
+        name = type(model).__name__
+        with pytest.raises(ValueError, match=rf"tp=2: tensor parallelism is not implemented for {name} .*{reason}"):
+            plan(model.config, 1024, tp=2)
+        with pytest.raises(ValueError, match=rf"not implemented for {name} .*{reason}.*--tp 1"):
+            apply_tensor_parallel(model, Mesh())
+    full = plan(make_model("mistral").config, 1024, tp=1)
+    assert plan(make_model("mistral").config, 1024, tp=2).kv_pages == full.kv_pages // 2
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_router_aux_loss_refused(family):
+    """output_router_logits makes transformers add router_aux_loss_coef x the load-balancing loss,
+    which oomb does not compute: refused by name; a zero coefficient adds nothing and is accepted."""
+    model = make_model(family)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16)
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match=r"output_router_logits=True"):  # set after the engine was made
+        engine.forward_backward(batch(96, rows=1)[0])
+    with pytest.raises(ValueError, match=r"output_router_logits=True with router_aux_loss_coef=0.001"):
+        oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16)
+    model.router_aux_loss_coef = 0.0  # transformers reads it off the model
+    if family == "qwen3_moe":  # the same code path in both families: one exactness check
+        check_against_full_sequence(model, *batch(96, rows=1), chunk_size=32, page_size=16, backend="torch")
+    else:
+        oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16)  # accepted
+
+
+def test_rope_scaling_refused_for_phi3():
+    """Phi3Config accepts default and LongRoPE only: --rope-scaling is refused before a model is built."""
+    from oomb.models.rope import apply_rope
+    config = make_model("phi3").config
+    with pytest.raises(ValueError, match=r"Phi3ForCausalLM supports no RoPE scaling"):
+        apply_rope(config, scaling="yarn:4")
