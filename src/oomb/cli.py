@@ -1,4 +1,4 @@
-"""`oomb train | plan | eval`: thin wrappers that parse flags into dataclasses and call in."""
+"""`oomb train | plan | eval | export`: thin wrappers that parse flags into dataclasses and call in."""
 from __future__ import annotations
 
 import argparse
@@ -331,6 +331,13 @@ def cmd_tokenize(args) -> None:
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
+def cmd_export(args) -> None:
+    from .train.export import export
+
+    path = export(args.checkpoint, args.output, args.merge, args.overwrite)
+    print(f"exported {args.checkpoint} to {path}{' (adapter merged)' if args.merge else ''}")
+
+
 def main(argv: list[str] | None = None) -> None:
     from .memory.device import ALLOCATOR_SETTINGS
     from .train.config import TrainConfig
@@ -457,6 +464,14 @@ def main(argv: list[str] | None = None) -> None:
     p_tok.add_argument("--messages-field", default="messages",
                        help="the records' field holding chat turns ({role, content}; the assistant's tokens trained)")
     p_tok.set_defaults(func=cmd_tokenize)
+
+    p_export = sub.add_parser("export", help="a run's step-N or final/ as transformers or PEFT load it; --merge: "
+                                             "the LoRA adapter merged into its base")
+    p_export.add_argument("checkpoint", help="a step-N or final/ directory of oomb train")
+    p_export.add_argument("--output", required=True, help="the directory to write (refused when not empty)")
+    p_export.add_argument("--merge", action="store_true", help="one transformers checkpoint: base + adapter")
+    p_export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    p_export.set_defaults(func=cmd_export)
 
     args = parser.parse_args(argv)
     from .train.interrupt import TrainingStopped
