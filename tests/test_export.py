@@ -3,7 +3,6 @@
 adapter, and a directory that is no model, or a base that cannot be drawn again, is refused in a line
 (tiny models, CPU, seconds)."""
 import json
-import os
 
 import pytest
 import torch

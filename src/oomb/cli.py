@@ -335,7 +335,7 @@ def cmd_export(args) -> None:
     from .train.export import export
 
     path = export(args.checkpoint, args.output, args.merge, args.overwrite)
-    print(f"exported {args.checkpoint} to {path}{' (adapter merged)' if args.merge else ''}")
+    print(f"exported {args.checkpoint} to {path}")
 
 
 def main(argv: list[str] | None = None) -> None:

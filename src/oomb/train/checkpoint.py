@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
@@ -372,10 +373,16 @@ def write_export(model, state: dict | None, source: str, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # absent once published
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _save_tokenizer(source: str, path: Path) -> None:
-    """The checkpoint's tokenizer beside the model (a preset has none)."""
+    """The checkpoint's tokenizer beside the model (a preset has none; nor has a local directory
+    without tokenizer files, where transformers would make an empty one from config.json)."""
     from ..presets import load_tokenizer
 
+    if os.path.isdir(source) and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        return
     try:
         tokenizer = load_tokenizer(source)
     except ValueError:

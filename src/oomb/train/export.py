@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from . import checkpoint, durable
+from . import checkpoint
 
 FINGERPRINT_ELEMENTS = 4096  # of each tensor: another seed or device changes every one of them
 KINDS = ("config.json (a transformers checkpoint: a full-parameter run's final/ or step-N), adapter_config.json "
@@ -220,12 +220,7 @@ def export(source: str, output: str, merge: bool = False, overwrite: bool = Fals
         model = AutoModelForCausalLM.from_pretrained(artefact.path, dtype="auto")
     else:
         model = load(artefact, None, "cpu", merge=merge)
-    tokenizer = artefact.path if _has_tokenizer(artefact.path) or artefact.base is None else artefact.base.model
-    out.parent.mkdir(parents=True, exist_ok=True)
+    has_tokenizer = any((artefact.path / name).is_file() for name in checkpoint.TOKENIZER_FILES)
+    tokenizer = artefact.path if has_tokenizer or artefact.base is None else artefact.base.model
     checkpoint.write_export(model, None, str(tokenizer), out)
-    durable.fsync(out.parent)
     return out
-
-
-def _has_tokenizer(path: Path) -> bool:
-    return any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json"))
