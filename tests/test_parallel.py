@@ -132,9 +132,9 @@ def test_torchrun_tensor_parallel_training_resumes_exactly(tmp_path):
     full = run("--output-dir", str(tmp_path), "--save-every", "2")
     assert sorted(full) == [1, 2, 3]  # one log line a step: rank 0 only
     ckpt = tmp_path / "step-000002"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "model.safetensors", "optimizer-rank0.pt",
-                                                       "optimizer-rank1.pt", "rng-rank0.pt", "rng-rank1.pt",
-                                                       "trainer.json"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["config.json", "manifest.json", "model.safetensors",
+                                                       "optimizer-rank0.pt", "optimizer-rank1.pt", "rng-rank0.pt",
+                                                       "rng-rank1.pt", "trainer.json"]
     # The export gathers the shards: transformers loads the whole trained model.
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

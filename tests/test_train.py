@@ -332,15 +332,17 @@ def test_final_export_loads_with_transformers_and_peft(tmp_path, lora_rank):
     from oomb.presets import load_model
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), lora_rank=lora_rank)
     train(cfg)
-    trained = load_file(tmp_path / "step-000003" / "model.safetensors")  # the trainable tensors, step 3
+    # the trainable tensors of step 3, named as PEFT and transformers name them
+    trained = load_file(tmp_path / "step-000003" / f"{'adapter_' if lora_rank else ''}model.safetensors")
     if lora_rank:
         import peft
         torch.manual_seed(cfg.seed)  # the trainer's base: the preset's seeded random weights
         base = load_model("tiny")
         model = peft.PeftModel.from_pretrained(base, tmp_path / "final")
+        params = peft.get_peft_model_state_dict(model)
     else:
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    params = dict(model.named_parameters())
+        params = dict(model.named_parameters())
     assert trained and all(torch.equal(params[n].detach(), t) for n, t in trained.items())
 
 

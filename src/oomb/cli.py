@@ -1,4 +1,4 @@
-"""`oomb train | plan | eval`: thin wrappers that parse flags into dataclasses and call in."""
+"""`oomb train | plan | eval | export`: thin wrappers that parse flags into dataclasses and call in."""
 from __future__ import annotations
 
 import argparse
@@ -287,6 +287,13 @@ def cmd_tokenize(args) -> None:
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
+def cmd_export(args) -> None:
+    from .train.export import export
+
+    path = export(args.checkpoint, args.output, args.merge, args.overwrite)
+    print(f"exported {args.checkpoint} to {path}")
+
+
 #: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
 PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
                "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "optimizer",
@@ -397,6 +404,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_tok.add_argument("--messages-field", default="messages",
                        help="the records' field holding chat turns ({role, content}; the assistant's tokens trained)")
     p_tok.set_defaults(func=cmd_tokenize)
+    p_export = commands["export"] = sub.add_parser(
+        "export", help="a run's step-N or final/ as transformers or PEFT load it; --merge: the LoRA adapter merged "
+                       "into its base", formatter_class=HelpFormatter)
+    p_export.add_argument("checkpoint", help="a step-N or final/ directory of oomb train")
+    p_export.add_argument("--output", required=True, help="the directory to write (refused when not empty)")
+    p_export.add_argument("--merge", action="store_true", help="one transformers checkpoint: base + adapter")
+    p_export.add_argument("--overwrite", action="store_true", help="replace a non-empty --output")
+    p_export.set_defaults(func=cmd_export)
     commands.update(corpus=p_corpus, tokenize=p_tok)
     return parser, commands
 

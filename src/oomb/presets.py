@@ -93,9 +93,15 @@ def _checkpoint_name(name_or_path: str) -> bool:
 
 def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling: str | None = None,
                 **overrides) -> PretrainedConfig:
-    """A preset's config or a local checkpoint's, with RoPE extended as asked (models/rope.py)."""
+    """A preset's config or a local checkpoint's, with RoPE extended as asked (models/rope.py); of
+    what a run wrote (an adapter, an older oomb's step-N: train/export.py), its base's."""
+    from .train.export import describe
+
     if name_or_path in PRESETS:
         cfg = preset_config(name_or_path, **overrides)
+    elif (artefact := describe(name_or_path)) is not None and artefact.base is not None:
+        return load_config(artefact.base.model, artefact.base.rope_theta if rope_theta is None else rope_theta,
+                           rope_scaling or artefact.base.rope_scaling or None, **overrides)
     else:
         if not _checkpoint_name(name_or_path):
             raise ValueError(f"--model {name_or_path!r} is neither a preset nor a local checkpoint directory; "
@@ -127,8 +133,15 @@ def load_tokenizer(name_or_path: str):
 
 def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                rope_theta: float | None = None, rope_scaling: str | None = None, **overrides):
-    """A preset with random weights, or a transformers checkpoint (local directory); RoPE
+    """A preset with random weights, a transformers checkpoint (local directory), or what a run
+    wrote (a LoRA adapter merged into its base, an older oomb's step-N: train/export.py); RoPE
     extended by rope_theta / rope_scaling (models/rope.py)."""
+    from .train.export import describe, load
+
+    if name_or_path not in PRESETS and (artefact := describe(name_or_path)) is not None:
+        if artefact.base is not None:
+            return load(artefact, dtype, device, rope_theta, rope_scaling)
+        artefact.verify()  # a step-N's files against its manifest
     cfg = load_config(name_or_path, rope_theta, rope_scaling, **overrides)
     import_model_code()
     if name_or_path in PRESETS:

@@ -1,7 +1,9 @@
 """Checkpoints that are whole or absent: written to a temporary directory, flushed, then renamed.
 
     <output_dir>/step-000040/
-        model.safetensors   trainable parameters (all of them, or the LoRA adapters)
+        model.safetensors   every parameter, with config.json: a transformers checkpoint
+        (LoRA: adapter_model.safetensors, adapter_config.json and base.json: a PEFT adapter,
+        named as PEFT names it, and the base it was trained on; oomb.train.export loads both)
         optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP
                             and under ZeRO-1: each rank's share; resume with the same layout)
         rng-rank{r}.pt      each rank's torch RNG states (CPU and CUDA): dropout repeats exactly
@@ -22,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import pickle
 import re
 import shutil
@@ -54,6 +57,66 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if is_dtensor(t) else t
+
+
+def is_adapter(model) -> bool:
+    """A PEFT model: its checkpoints and exports hold the adapter, not the model."""
+    return hasattr(model, "peft_config")
+
+
+def weights_file(model) -> str:
+    """The file of a checkpoint's trainable tensors: the names transformers and PEFT read."""
+    return "adapter_model.safetensors" if is_adapter(model) else "model.safetensors"
+
+
+def file_names(model) -> dict[str, str]:
+    """{name in the weights file: parameter name} of the trainable parameters: PEFT's names
+    (get_peft_model_state_dict drops the adapter's name, `.default`) for an adapter, else the
+    parameters' own."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not is_adapter(model):
+        return {n: n for n in params}
+    from peft import get_peft_model_state_dict
+
+    by_id = {id(p): n for n, p in params.items()}
+    return {k: by_id[id(p)] for k, p in get_peft_model_state_dict(model, state_dict=params).items()}
+
+
+def describing_files(model) -> dict:
+    """The files beside the weights that make a checkpoint loadable by transformers / PEFT: the
+    model's config.json, or the adapter's adapter_config.json (as PeftModel.save_pretrained
+    writes it: inference mode, sets as lists) and base.json (oomb.train.export.Base)."""
+    if not is_adapter(model):  # a whole transformers model (every parameter trained), or nothing to describe
+        whole = hasattr(model, "config") and all(p.requires_grad for p in model.parameters())
+        return {"config.json": model.config.to_json_string()} if whole else {}
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in model.peft_config["default"].to_dict().items()}
+    files = {"adapter_config.json": {**config, "inference_mode": True}}
+    if getattr(model, "oomb_base", None) is not None:  # set by the trainer's build_model, or export.load
+        files["base.json"] = json.dumps(dataclasses.asdict(model.oomb_base), indent=2)
+    return files
+
+
+def restore_trainable(model, state: dict[str, torch.Tensor], path: Path) -> None:
+    """Copy a weights file's tensors into the model's trainable parameters (PEFT's names or, as
+    an older oomb wrote them, the parameters' own); each tensor-parallel parameter takes its
+    shard. ValueError naming a parameter the file lacks."""
+    params = dict(model.named_parameters())
+    lookup = {**{n: n for n in params}, **file_names(model)}
+    found = {lookup[k] for k in state if k in lookup}
+    missing = [n for n, p in params.items() if p.requires_grad and n not in found]
+    if missing:
+        raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable parameters, e.g. {missing[0]}; "
+                         "was it written with the same model and LoRA settings?")
+    with torch.no_grad():
+        for key, tensor in state.items():
+            if key not in lookup:
+                continue
+            p = params[lookup[key]]
+            if is_dtensor(p):  # take this rank's shard of the whole tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
+            p.copy_(tensor)
 
 
 #: config fields a resume must share with the checkpoint (the data position and the parameter set)
@@ -115,7 +178,9 @@ def _rank_files(step: int, state: dict, model, optimizer, scheduler, config, wri
     if per_rank or write:
         files[_optimizer_file(per_rank)] = _optimizer_payload(optimizer, scheduler)
     if write:
-        files["model.safetensors"] = state
+        names = {n: k for k, n in file_names(model).items()}
+        files[weights_file(model)] = {names[n]: t for n, t in state.items()}
+        files.update(describing_files(model))
         files["trainer.json"] = {"step": step, "batches_seen": step * config.grad_accum, "world_size": _world(),
                                  "config": dataclasses.asdict(config)}
     return files
@@ -127,6 +192,8 @@ def _write_files(tmp: Path, files: dict) -> None:
         path = tmp / name
         if name.endswith(".safetensors"):
             save_file(content, path)
+        elif isinstance(content, str):
+            path.write_text(content)
         elif name.endswith(".json"):
             path.write_text(json.dumps(content, indent=2))
         else:
@@ -279,14 +346,16 @@ def export(output_dir: str | Path, model, source: str, write: bool = True) -> Pa
             whole = _full(tensor)
             if write:
                 state[name] = whole.cpu()
-    error = _attempt(lambda: _write_export(model, state, source, final)) if write else ""
+    error = _attempt(lambda: write_export(model, state, source, final)) if write else ""
     if not _all_ok(error):
         raise SaveFailed(f"the final model was not written to {final} ({error or 'another rank failed'}); "
                          f"{_last_good(output_dir) if write else 'rank 0 names the last good checkpoint'}")
     return final
 
 
-def _write_export(model, state: dict | None, source: str, final: Path) -> None:
+def write_export(model, state: dict | None, source: str, final: Path) -> None:
+    """The model (or adapter) as transformers (PEFT) writes it, with `source`'s tokenizer, published
+    in place of `final`."""
     tmp = final.with_name(durable.unique(final.name, "tmp"))
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -295,6 +364,8 @@ def _write_export(model, state: dict | None, source: str, final: Path) -> None:
             else list(model.state_dict().values())
         durable.check_room(final.parent, _nbytes(tensors) + 2**20)
         model.save_pretrained(tmp, state_dict=state)  # None: transformers reads the parameters shard by shard
+        if is_adapter(model) and "base.json" in (described := describing_files(model)):
+            (tmp / "base.json").write_text(described["base.json"])
         _save_tokenizer(source, tmp)
         durable.fsync_tree(tmp)
         durable.publish(tmp, final)
@@ -302,10 +373,16 @@ def _write_export(model, state: dict | None, source: str, final: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)  # absent once published
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _save_tokenizer(source: str, path: Path) -> None:
-    """The checkpoint's tokenizer beside the model (a preset has none)."""
+    """The checkpoint's tokenizer beside the model (a preset has none; nor has a local directory
+    without tokenizer files, where transformers would make an empty one from config.json)."""
     from ..presets import load_tokenizer
 
+    if os.path.isdir(source) and not any((Path(source) / name).is_file() for name in TOKENIZER_FILES):
+        return
     try:
         tokenizer = load_tokenizer(source)
     except ValueError:
@@ -395,28 +472,16 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     path = Path(path)
     if not (path / "trainer.json").is_file():
         raise ValueError(f"--resume {str(path)!r} is not a checkpoint directory (no trainer.json in it)")
-    params = dict(model.named_parameters())
-    sharded = any(is_dtensor(p) for p in params.values())
+    sharded = any(is_dtensor(p) for p in model.parameters())
     zero = _is_zero(optimizer)
     per_rank = sharded or zero
+    weights = weights_file(model) if (path / weights_file(model)).is_file() else "model.safetensors"  # older oomb
     # This rank's files: under TP or ZeRO-1 each rank reads only its own optimizer share.
-    verify(path, {"trainer.json", "model.safetensors", _optimizer_file(per_rank), f"rng-rank{_rank()}.pt"})
+    verify(path, {"trainer.json", weights, _optimizer_file(per_rank), f"rng-rank{_rank()}.pt"})
     info = json.loads((path / "trainer.json").read_text())
     if config is not None:
         check_compatible(path, info, config)
-    state = load_file(path / "model.safetensors")
-    missing = [n for n, p in params.items() if p.requires_grad and n not in state]
-    if missing:
-        raise ValueError(f"checkpoint {path} lacks {len(missing)} trainable parameters, e.g. {missing[0]}; "
-                         "was it written with the same model and LoRA settings?")
-    with torch.no_grad():
-        for name, tensor in state.items():
-            p = params[name]
-            if is_dtensor(p):  # take this rank's shard of the whole tensor
-                from torch.distributed.tensor import distribute_tensor
-
-                tensor = distribute_tensor(tensor.to(p.device), p.device_mesh, p.placements)
-            p.copy_(tensor)
+    restore_trainable(model, load_file(path / weights), path)
     file = path / _optimizer_file(per_rank)
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "

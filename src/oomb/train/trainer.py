@@ -32,6 +32,7 @@ from .checks import check_finite_weights, check_model_fits, resume_note, weight_
 from .config import TrainConfig
 from .data import NeedleMix, load_tokens, make_data, windows
 from .documents import data_layout
+from .export import base_of
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
 from .output_dir import open_output_dir, resolved_config, truncate_metrics, write_resolved
@@ -55,6 +56,7 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
     model = load_model(cfg.model, dtype=weight_dtype(cfg, device), device=device, rope_theta=cfg.rope_theta,
                        rope_scaling=cfg.rope_scaling or None)
     check_positions(model.config, cfg.seq_len, cfg.rope_theta, cfg.rope_scaling)
+    base = base_of(cfg, model) if cfg.lora_rank else None  # what the adapter's checkpoints name as its base
     model.train()
     if cfg.liger:
         apply_liger(model)  # before LoRA wraps the projections: Liger patches the norm and MLP modules
@@ -66,6 +68,8 @@ def build_model(cfg: TrainConfig, device: torch.device) -> torch.nn.Module:
         with warnings.catch_warnings():  # peft asks transformers 5's deprecated name, once per model
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
             model = peft.get_peft_model(model, lora)
+        model.peft_config["default"].base_model_name_or_path = base.model
+        model.oomb_base = base
     if cfg.float8 != "none":
         apply_float8(model, cfg.float8)  # after LoRA: a wrapped projection's base layer, not its adapters
     return model
