@@ -121,8 +121,8 @@ def _adapter(path: Path) -> Artefact:
 
 def _older_step(path: Path) -> Artefact:
     """A step-N an older oomb wrote: trainer.json says what it was trained on."""
+    from ..models.base import DecoderAdapter
     from ..presets import PRESETS
-    from .trainer import LORA_TARGETS
 
     run = json.loads((path / "trainer.json").read_text()).get("config", {})
     base = Base(run.get("model", "tiny"), run.get("rope_theta"), run.get("rope_scaling", ""))
@@ -130,8 +130,9 @@ def _older_step(path: Path) -> Artefact:
     if run.get("lora_rank"):
         import peft
 
+        # an older oomb put adapters on the same projections in every family: the base adapter's
         lora = peft.LoraConfig(r=run["lora_rank"], lora_alpha=run.get("lora_alpha", 16.0), lora_dropout=0.0,
-                               target_modules=LORA_TARGETS)
+                               target_modules=list(DecoderAdapter.lora_targets))
         if base.model in PRESETS and run.get("device") in ("cpu", "cuda"):  # "auto": where it ran is unknown
             dtype = run.get("dtype", "auto")
             dtype = dtype if dtype != "auto" else "bfloat16" if run["device"] == "cuda" else "float32"
