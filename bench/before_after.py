@@ -128,7 +128,7 @@ def main() -> None:
     if not args.before or not os.path.isdir(os.path.join(args.before, "src", "oomb")):
         sys.exit(f"--before {args.before!r} must be a directory holding an earlier tree's src/oomb "
                  "(git archive <commit> src | tar -x -C DIR)")
-    from oomb.cli import parse_tokens  # this checkout's (the workers import each tree's oomb)
+    from oomb.units import parse_tokens  # this checkout's (the workers import each tree's oomb)
 
     info = run_info()
     trees = [("before", os.path.abspath(args.before), args.before_commit or "unknown"), ("after", ROOT, info["commit"])]

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import record, run_info  # noqa: E402
 
 import oomb  # noqa: E402
-from oomb.cli import parse_tokens  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
 from oomb.train.config import TrainConfig  # noqa: E402
 from oomb.train.trainer import make_optimizer, run_engine_config  # noqa: E402
+from oomb.units import parse_tokens  # noqa: E402
 
 
 def main() -> None:

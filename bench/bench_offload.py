@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import record, run_info  # noqa: E402
 
 import oomb  # noqa: E402
-from oomb.cli import parse_tokens  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
+from oomb.units import parse_tokens  # noqa: E402
 
 IMPL = {"none": "oomb", "all": "oomb-all", "auto": "oomb-auto"}
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import profiled, record, run_info, torchrun_device  # noqa: E402
 
 import oomb  # noqa: E402
-from oomb.cli import parse_tokens  # noqa: E402
 from oomb.parallel import all_reduce_gradients, apply_tensor_parallel, global_token_count, init_distributed  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
+from oomb.units import parse_tokens  # noqa: E402
 
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 KEEP = {"no": False, "yes": True, "fit": None}  # --keep-attention -> the engine's keep_attention

@@ -42,8 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import (GpuMeter, PassClock, logged_steps, memory_traced, packed_positions, profiled,  # noqa: E402
                     record, run_info, warm_up, warm_up_tokens)
 
-from oomb.cli import parse_tokens  # noqa: E402
 from oomb.memory.device import ALLOCATOR_SETTINGS  # noqa: E402
+from oomb.units import parse_tokens  # noqa: E402
 
 
 def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str = "cuda", oomb_liger: bool = False,

@@ -26,10 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import record, run_info, torchrun_device  # noqa: E402
 
 import oomb  # noqa: E402
-from oomb.cli import parse_tokens  # noqa: E402
 from oomb.parallel import all_reduce_gradients, global_token_count, host_group, init_distributed  # noqa: E402
 from oomb.presets import load_model  # noqa: E402
 from oomb.train.interrupt import Interrupt  # noqa: E402
+from oomb.units import parse_tokens  # noqa: E402
 
 
 def main() -> None:

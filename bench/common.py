@@ -30,7 +30,7 @@ def run_info() -> dict:
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,
             "commit": commit, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
     switches = {k: v for k, v in sorted(os.environ.items()) if k.startswith("OOMB_") and k != "OOMB_COMMIT"}
-    if switches:  # the kernels' and engine's environment switches (OOMB_FUSED_DQ=1, OOMB_DMA=0, ...)
+    if switches:  # the kernels' and engine's environment switches (OOMB_TMA=0, OOMB_DMA=0, ...: KernelOptions.ENV)
         info["switches"] = switches
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF"):
         info["alloc_conf"] = os.environ["PYTORCH_CUDA_ALLOC_CONF"]

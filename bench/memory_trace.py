@@ -13,8 +13,8 @@ import sys
 import torch
 
 import oomb
-from oomb.cli import parse_tokens
 from oomb.presets import load_model
+from oomb.units import parse_tokens
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import peak_allocations  # noqa: E402

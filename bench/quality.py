@@ -1,7 +1,7 @@
 """Does top-k sparse training keep long-range retrieval? Associative recall in real text, dense
 training as the positive control, top-k measured against it.
 
-The task (src/oomb/train/recall.py): single-token keys and values from ids reserved above the
+The task (src/oomb/data/recall.py): single-token keys and values from ids reserved above the
 bytes of the `byte-kv-30m` preset (byte-lm-30m's shape: Qwen2, 10 layers, head_dim 128), hidden in
 the source code of installed packages (`oomb corpus`), each queried once later in the sequence;
 the value after a query is chance (1/256) without attending to its needle. Every arm is trained
@@ -241,9 +241,10 @@ def evaluate(study: Study, model, held, task: str, budget: int, dense: str) -> d
     """One evaluation of an arm's final model (loaded once per arm) on the held-out tokens, at
     the study's sequence length."""
     from oomb import ChunkRecurrentEngine, TopKPages
-    from oomb.eval import tasks
-    from oomb.train.data import windows
-    from oomb.train.recall import RecallTask, evaluation_sequences
+    from oomb.eval.kv_recall import kv_recall
+    from oomb.eval.loss import mean_loss
+    from oomb.data.recall import RecallTask, evaluation_sequences
+    from oomb.data.tokens import windows
     from oomb.train.trainer import parse_layers
 
     sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense),
@@ -256,9 +257,9 @@ def evaluate(study: Study, model, held, task: str, budget: int, dense: str) -> d
         edges = list(study.edges)
         sequences = evaluation_sequences(held, recall, model.config.vocab_size, study.seq_len, study.chunk_size,
                                          edges, study.queries, study.eval_pairs, seed=study.seed + 1)
-        result = tasks.kv_recall(engine, sequences, recall, edges)
+        result = kv_recall(engine, sequences, recall, edges)
     else:
-        result = tasks.mean_loss(engine, windows(held, study.seq_len, 1, study.loss_windows))
+        result = mean_loss(engine, windows(held, study.seq_len, 1, study.loss_windows))
     return {**result, "eval_s": round(time.perf_counter() - t0, 1), "attention": label(budget, dense)}
 
 
@@ -315,7 +316,7 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict, ha
     import torch
 
     from oomb.presets import load_model
-    from oomb.train.data import open_tokens
+    from oomb.data.tokens import open_tokens
     from oomb.train.trainer import resolve_device
 
     device = resolve_device(study.device)

@@ -839,8 +839,8 @@ def row_engine(r: dict):
     import torch
 
     from oomb.attention.sparse import TopKPages
-    from oomb.cli import lora_params
     from oomb.config import EngineConfig
+    from oomb.plan import lora_params
     from oomb.presets import preset_config
 
     config = preset_config(r.get("model", "qwen2.5-7b"))

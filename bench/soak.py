@@ -144,7 +144,7 @@ def run(args) -> tuple[list[dict], str, int, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from oomb.cli import parse_tokens
+    from oomb.units import parse_tokens
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-0.5b", help="a preset of oomb.presets (or a checkpoint directory)")

@@ -14,8 +14,8 @@ import pytest
 
 from oomb.cli import main
 from oomb.train.chat import ChatFormat, ChatRenderer, check_messages, check_tools
-from oomb.train.documents import sibling
-from oomb.train.needles import TokenizerCodec
+from oomb.data.codec import TokenizerCodec
+from oomb.data.documents import sibling
 from oomb.train.sources import Hub, tokenize
 
 TEMPLATES = Path(__file__).parent / "chat_templates"

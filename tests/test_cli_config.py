@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from oomb.cli import EVAL_OVERRIDES, PLAN_OVERRIDES, build_parser, main, parse_args
+from oomb.eval import TASKS
 from oomb.train.config import TrainConfig
 
 FIELDS = {f.name: f for f in dataclasses.fields(TrainConfig)}
@@ -23,7 +24,8 @@ def flags(parser):
 def test_every_flag_has_its_help_choices_and_one_default(command):
     parser = build_parser()[1][command]
     text = parser.format_help()
-    overrides = {"plan": PLAN_OVERRIDES, "eval": EVAL_OVERRIDES}.get(command, {})
+    tasks = {k: v for t in TASKS.values() for k, v in t.settings.items()}  # a task's settings, as it declares them
+    overrides = {"plan": PLAN_OVERRIDES, "eval": {**EVAL_OVERRIDES, **tasks}}.get(command, {})
     for action in flags(parser):
         assert action.help and len(action.help) > 10, action.option_strings
         field = FIELDS.get(action.dest)

@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from oomb.cli import main
+from oomb.data.codec import ByteCodec
+from oomb.data.tokens import copy_task
 from oomb.train.corpus import build_corpus, is_heldout
-from oomb.train.data import NeedleMix, copy_task
-from oomb.train.needles import ByteCodec
+from oomb.train.data import NeedleMix
 
 FILES = {
     "alpha/__init__.py": "from .core import run\n",
@@ -100,7 +101,7 @@ def test_corpus_with_a_bpe_trained_on_it(tmp_path, capsys):
     (oomb tokenize --model DIR, needles' --tokenizer DIR)."""
     from transformers import AutoTokenizer
 
-    from oomb.train.needles import make_codec
+    from oomb.data.codec import make_codec
 
     fake_tree(tmp_path / "site")
     out = tmp_path / "out"

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from oomb.cli import main
+from oomb.data.documents import (Documents, best_fit_decreasing, document_batches, open_documents, plan_sequences,
+                                 sequence, sibling)
 from oomb.loss import IGNORE_INDEX
-from oomb.train.data import make_data
 from oomb.train.chat import render_chat
-from oomb.train.documents import (Documents, best_fit_decreasing, document_batches, open_documents, plan_sequences,
-                                  sequence, sibling)
+from oomb.train.data import make_data
 from oomb.train.sources import tokenize
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"

@@ -8,10 +8,11 @@ import torch.nn.functional as F
 
 import oomb
 from oomb.cli import main
-from oomb.eval import plots, tasks
-from oomb.train.data import windows
-from oomb.train.documents import write_documents
-from oomb.train.needles import ByteCodec, check_template, hits, make_needle, with_needles
+from oomb.data.codec import ByteCodec
+from oomb.data.documents import write_documents
+from oomb.data.needles import check_template, hits, make_needle, with_needles
+from oomb.data.tokens import windows
+from oomb.eval import plots, position_loss, retrieval, selection_recall
 from tiny_models import VOCAB, make_model
 
 
@@ -101,12 +102,12 @@ def test_eval_windows_are_deterministic_and_non_overlapping():
 
 
 def test_default_buckets_and_their_checks():
-    assert tasks.default_buckets(4096) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
-    assert tasks.default_buckets(5000)[-1] == 4096
+    assert position_loss.default_buckets(4096) == [0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048]
+    assert position_loss.default_buckets(5000)[-1] == 4096
     with pytest.raises(ValueError, match="bucket starts must be increasing"):
-        tasks.check_buckets([0, 64, 32], 100)
+        position_loss.check_buckets([0, 64, 32], 100)
     with pytest.raises(ValueError, match="< seq_len=100"):
-        tasks.check_buckets([0, 100], 100)
+        position_loss.check_buckets([0, 100], 100)
 
 
 def test_retrieval_scoring_on_constructed_predictions():
@@ -151,7 +152,7 @@ def test_retrieval_end_to_end_on_a_tiny_model(tmp_path, capsys):
     assert result["lengths"] == [256, 512] and result["depths"] == [0.0, 1.0]
     assert len(result["accuracy"]) == 2 and all(len(r) == 2 for r in result["accuracy"])
     for cell in result["cells"]:
-        seqs, spans = tasks.retrieval_cell(tokens, ByteCodec(), template, cell["length"], cell["depth"], 2, 1, 256)
+        seqs, spans = retrieval.retrieval_cell(tokens, ByteCodec(), template, cell["length"], cell["depth"], 2, 1, 256)
         ids = torch.from_numpy(np.stack(seqs))
         assert torch.equal(ids[0, : cell["length"] // 2], torch.from_numpy(tokens[: cell["length"] // 2].astype(np.int64))) \
             or cell["depth"] == 0  # the haystack is the file's window (the needle at depth 0 comes first)
@@ -234,9 +235,9 @@ def test_selection_recall_equals_brute_force_from_full_attention(budget, dense_l
     sparse = oomb.TopKPages(budget=budget, block_queries=16, dense_layers=dense_layers)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=chunk, page_size=page, backend="torch", sparse=sparse,
                                        kv_grad_dtype=None)
-    chunks = tasks.recall_chunks(t, chunk, page, budget, 8)
+    chunks = selection_recall.recall_chunks(t, chunk, page, budget, 8)
     assert chunks == {1, 2, 3}
-    probe = tasks.RecallProbe(chunks, 2, 16, page, engine.adapter.scale, seed=3)
+    probe = selection_recall.RecallProbe(chunks, 2, 16, page, engine.adapter.scale, seed=3)
     engine.evaluate(ids, probe=probe)
     selections = dict(engine._selection)  # kept until the next step
     dense = sparse.dense_set(3)
@@ -269,9 +270,9 @@ def test_selection_recall_task_needs_sparse_and_a_long_enough_sequence():
     model = make_model("qwen2")
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=64, page_size=16, backend="torch", kv_grad_dtype=None)
     with pytest.raises(ValueError, match="pass --sparse-budget"):
-        tasks.selection_recall(engine, [], 256)
+        selection_recall.selection_recall(engine, [], 256)
     with pytest.raises(ValueError, match="no chunk with more than budget=64"):
-        tasks.recall_chunks(256, 64, 16, 64, 8)
+        selection_recall.recall_chunks(256, 64, 16, 64, 8)
 
 
 def test_plots_write_pngs(tmp_path):
@@ -282,3 +283,55 @@ def test_plots_write_pngs(tmp_path):
     plots.selection_recall({"a": rec}, str(tmp_path / "s.png"))
     for name in ("p.png", "s.png"):
         assert (tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def mean_logit_task():
+    """A task as a user adds one: its own flag, a run over the shared inputs, a report. Mean of the
+    logit of token --logit-id over every position of the evaluated sequences (the model run whole)."""
+    from oomb.eval import EvalTask
+    from oomb.eval.inputs import BATCHES, eval_batches
+
+    def run(args, engine, progress):
+        total, n = 0.0, 0
+        for ids, *_ in eval_batches(args, engine.adapter.vocab_size):
+            with torch.no_grad():
+                logits = engine.model(input_ids=ids).logits.double()[..., args.logit_id]  # (B, T)
+            total, n = total + float(logits.sum()), n + logits.numel()
+        return {"task": "mean-logit", "logit_id": args.logit_id, "positions": n, "mean_logit": total / n}
+
+    return EvalTask("mean-logit", "the mean logit of one token id", run=run,
+                    report=lambda r: [f"mean logit of id {r['logit_id']} {r['mean_logit']:.4f}"],
+                    flags={"--batches": BATCHES, "--logit-id": {"type": int, "default": 0, "help": "the token id"}})
+
+
+def test_a_registered_task_runs_through_the_cli(tmp_path, capsys):
+    """An eval task defined here and registered: `oomb eval --task mean-logit` takes its flag, runs it
+    on the windows of the token file, prints its report after the shared head and its result as
+    JSON (the mean of transformers' logits, fp32); --plot is refused for it before any work."""
+    from oomb.eval import TASKS, register
+    from oomb.eval.registry import EvalTask
+
+    model, path = save_checkpoint(tmp_path)
+    tokens, data = token_file(tmp_path, 3 * 64 + 1)
+    register(mean_logit_task())
+    try:
+        main(["eval", "--task", "mean-logit", "--logit-id", "5", "--model", path, "--data", data, "--seq-len", "64",
+              "--batch", "2", "--batches", "2", "--chunk-size", "32", "--page-size", "16", "--device", "cpu", "--json"])
+        out = capsys.readouterr().out.strip().splitlines()
+        result = json.loads(out[-1])
+        ids = torch.from_numpy(tokens[: 3 * 64].astype(np.int64)).view(3, 64)  # the file's 3 windows, 2 a call
+        with torch.no_grad():
+            ref = model(input_ids=ids).logits.double()[..., 5].mean().item()
+        assert result["positions"] == 3 * 64 and abs(result["mean_logit"] - ref) <= 1e-5
+        assert out[-2] == f"mean-logit: {path} on {data}, dense attention: mean logit of id 5 {ref:.4f}"
+        with pytest.raises(SystemExit, match="--task mean-logit draws no plot; leave out --plot"):
+            main(["eval", "--task", "mean-logit", "--model", path, "--data", data, "--plot", str(tmp_path / "p.png")])
+        assert capsys.readouterr().out == ""
+        clash = EvalTask("clash", "x", run=None, report=None, flags={"--logit-id": {"type": str, "help": "other"}})
+        with pytest.raises(ValueError, match="'clash' declares --logit-id otherwise than 'mean-logit'"):
+            register(clash)
+    finally:
+        TASKS.pop("mean-logit")
+    assert "clash" not in TASKS
+    with pytest.raises(SystemExit):  # gone from the choices with it
+        main(["eval", "--task", "mean-logit"])

@@ -390,7 +390,7 @@ def test_dense_layers_and_evaluation_probes_on_the_gpu(wide_model):
     """Top-k with the last layer dense: offload modes bitwise equal in bf16. An evaluation with
     per-token losses and a selection-recall probe: the same with every page on the host as in the
     GPU pool (the probe reads host pages by copy), and the per-token mean is the loss."""
-    from oomb.eval.tasks import RecallProbe
+    from oomb.eval.selection_recall import RecallProbe
     ids = torch.randint(0, 152064, (1, 6000), device="cuda", generator=torch.Generator("cuda").manual_seed(6))
     assert_offload_modes_identical(wide_model, ids, sparse=oomb.TopKPages(budget=4, chunk_budget=9,
                                                                           dense_layers=(-1,)))

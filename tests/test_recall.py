@@ -1,4 +1,4 @@
-"""Associative recall (train/recall.py, eval/tasks.py kv_recall) against brute-force references."""
+"""Associative recall (data/recall.py, eval/kv_recall.py) against brute-force references."""
 import json
 
 import numpy as np
@@ -8,10 +8,10 @@ import torch.nn.functional as F
 
 import oomb
 from oomb.cli import main
-from oomb.eval import tasks
+from oomb.data.recall import (RecallMix, RecallTask, bucket_names, bucket_of, compose, default_edges,
+                              evaluation_sequences, place, queries, training_distances, wilson)
+from oomb.eval.kv_recall import kv_recall
 from oomb.loss import IGNORE_INDEX
-from oomb.train.recall import (RecallMix, RecallTask, bucket_names, bucket_of, compose, default_edges,
-                               evaluation_sequences, place, queries, training_distances, wilson)
 from tiny_models import make_model
 
 VOCAB = 97 + 16 + 16  # 97 text ids, 16 keys, 16 values
@@ -130,7 +130,7 @@ def test_kv_recall_equals_brute_force(budget):
         return r
 
     engine.evaluate = keep_selections
-    result = tasks.kv_recall(engine, seqs, TASK, edges, batch=2)
+    result = kv_recall(engine, seqs, TASK, edges, batch=2)
     ids = torch.from_numpy(np.stack([s[0] for s in seqs]))
     pairs = brute_pairs(ids.numpy(), VOCAB - 32, 16)
     if budget:

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import oomb
-from oomb.cli import main, parse_tokens
+from oomb.cli import main
 from oomb.train.config import TrainConfig
 from oomb.train.trainer import train
+from oomb.units import parse_tokens
 
 SMALL = dict(seq_len=256, chunk_size=128, page_size=64, steps=3, backend="torch", device="cpu")
 
@@ -155,7 +156,8 @@ def test_parse_tokens():
 
 def test_plan_placement_and_longest_context(capsys):
     """`oomb plan` splits pages as the engine does and finds the longest context that fits."""
-    from oomb.cli import lora_params, parse_bytes
+    from oomb.plan import lora_params
+    from oomb.units import parse_bytes
     from oomb.plan import gpu_margin, longest_context, place, plan
     from oomb.presets import preset_config
     cfg = preset_config("qwen2.5-7b")
@@ -207,7 +209,7 @@ def test_plan_per_rank_under_tensor_parallelism(capsys):
     """`oomb plan --tp N` is one rank's plan: 1/N of every layer's projections (q, k, v, o and the
     MLP's, biases included), KV pages, kept outputs and LoRA's split factors; embeddings and head
     whole. A degree that does not divide the heads, or a mixture of experts, is refused."""
-    from oomb.cli import lora_params
+    from oomb.plan import lora_params
     from oomb.plan import count_params, plan
     from oomb.presets import preset_config
     cfg = preset_config("qwen2.5-7b")

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from oomb.cli import main, parse_bytes, parse_tokens
+from oomb.cli import main
 from oomb.train.config import TrainConfig
 from oomb.train.interrupt import TrainingStopped
+from oomb.units import parse_bytes, parse_tokens
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = dict(seq_len=64, chunk_size=32, page_size=16, backend="torch", device="cpu", log_every=10)
@@ -170,8 +171,8 @@ def test_a_model_too_big_for_memory_is_refused_before_it_is_built(monkeypatch):
 
 
 def test_negative_token_ids_are_refused_with_the_file(tmp_path):
-    from oomb.train.data import open_tokens
-    from oomb.train.documents import open_documents, sibling
+    from oomb.data.documents import open_documents, sibling
+    from oomb.data.tokens import open_tokens
 
     ids = np.arange(40, dtype=np.int32) % 7
     ids[9] = -3

@@ -4,24 +4,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import sys
 
 import torch
 
-from .flags import HelpFormatter, add_config_flag, add_settings, at_least, help_of, parse_tokens, read_config
-
-
-def parse_depths(text: str) -> list[float]:
-    """'0,0.5,1' -> [0.0, 0.5, 1.0]: needle depths, each a number from 0 (start) to 1 (end)."""
-    try:
-        depths = [float(x) for x in text.split(",")]
-    except ValueError:
-        depths = [math.nan]
-    if not all(0 <= d <= 1 for d in depths):
-        raise argparse.ArgumentTypeError(f"{text!r} must be depths from 0 (start) to 1 (end), e.g. 0,0.5,1")
-    return depths
+from .flags import HelpFormatter, add_config_flag, add_settings, at_least, help_of, read_config
+from .plan import lora_params
+from .units import parse_bytes
 
 
 def cmd_train(args) -> None:
@@ -33,23 +23,6 @@ def cmd_train(args) -> None:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     train(TrainConfig(**{k: v for k, v in vars(args).items() if k in names}),
           kernels=KernelOptions.from_env(os.environ))
-
-
-def parse_bytes(text: str) -> int:
-    """'139.8GiB', '512MiB', '80GB' -> bytes."""
-    units = {"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40, "KB": 10**3, "MB": 10**6, "GB": 10**9,
-             "TB": 10**12, "B": 1}
-    t = text.strip().upper()
-    for unit in sorted(units, key=len, reverse=True):
-        if t.endswith(unit):
-            try:
-                value = float(t[: -len(unit)]) * units[unit]
-            except ValueError:
-                break
-            if math.isfinite(value) and value >= 0:
-                return int(value)
-            break
-    raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 139.8GiB, 512MiB or 80GB")
 
 
 def cmd_plan(args) -> None:
@@ -128,142 +101,51 @@ def cmd_plan(args) -> None:
               f"(GPU {human_bytes(args.gpu_memory)}, host {human_bytes(args.host_memory)})")
 
 
-def lora_params(config, rank: int, tp: int = 1) -> int:
-    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o), on one
-    rank of tensor-parallel degree `tp`: a column-parallel projection's B is split with it, a
-    row-parallel one's A (oomb.parallel); the other factor is whole on every rank."""
-    from .plan import head_dim_of
-
-    hidden, head_dim = config.hidden_size, head_dim_of(config)
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = rank * (4 * hidden + (2 * q + 2 * kv) // tp)  # A of q/k/v and B of o whole
-    return config.num_hidden_layers * per_layer
-
-
-EVAL_TASKS = ("loss", "position-loss", "retrieval", "kv-recall", "selection-recall")
-
-
-def eval_batches(args, vocab: int):
-    """The evaluated sequences: a token file's first windows of seq_len (non-overlapping, the same
-    every run), a document file's first packed sequences (each document attending to itself,
-    position_ids restarting at its start; chat files score the assistant's tokens only), or
-    `args.batches` generated batches of the copy task."""
-    from itertools import islice
-
-    from .train.data import copy_task, load_tokens, windows
-    from .train.documents import evaluation_batches, has_documents, open_documents
-
-    if args.data == "copy":
-        return list(islice(copy_task(vocab, args.seq_len, args.batch, seed=args.seed), args.batches))
-    if has_documents(args.data):
-        return list(evaluation_batches(open_documents(args.data, vocab), args.seq_len, args.batch,
-                                       args.batches * args.batch))
-    data = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
-    return list(windows(data, args.seq_len, args.batch, args.batches * args.batch))
-
-
 def cmd_eval(args) -> None:
+    """Builds the model and an evaluation engine (no dK/dV pages) from the shared flags, runs the
+    registered task --task names on it, prints its report, then its plot and --json."""
     from .config import KernelOptions
+    from .data.tokens import check_token_suffix
     from .engine import ChunkRecurrentEngine
-    from .eval import plots, tasks
+    from .eval import TASKS
     from .models.rope import check_positions
     from .presets import load_model
-    from .train.data import check_token_suffix, load_tokens
     from .train.metrics import ChunkBars
     from .train.outputs import make_folder
-    from .train.trainer import codec_for, resolve_device, sparse_config
+    from .train.trainer import resolve_device, sparse_config
 
+    task = TASKS[args.task]
     check_token_suffix(args.data, "--data")
     if args.plot:  # its folder now: the evaluation's result is not lost to a missing one
+        if task.plot is None:
+            raise ValueError(f"--task {task.name} draws no plot; leave out --plot {args.plot} (tasks with one: "
+                             f"{', '.join(t.name for t in TASKS.values() if t.plot)})")
         make_folder(os.path.dirname(args.plot), f"--plot {args.plot}")
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed)  # a preset's random weights, the same every run
     model = load_model(args.model, dtype=dtype, device=device, rope_theta=args.rope_theta,
                        rope_scaling=args.rope_scaling or None).eval()
-    longest = max(args.lengths) if args.task == "retrieval" else args.seq_len
-    check_positions(model.config, longest, args.rope_theta, args.rope_scaling)
+    check_positions(model.config, task.longest(args), args.rope_theta, args.rope_scaling)
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
                                   backend=args.backend, sparse=sparse_config(args),
                                   kernels=KernelOptions.from_env(os.environ),
                                   kv_grad_dtype=None)  # no backward: no dK/dV
-    vocab = engine.adapter.vocab_size
     bar = ChunkBars("sequence batch {n}")
     try:
-        if args.task == "loss":
-            result = tasks.mean_loss(engine, eval_batches(args, vocab), bar)
-        elif args.task == "position-loss":
-            result = tasks.position_loss(engine, eval_batches(args, vocab), args.seq_len, args.buckets, bar)
-        elif args.task == "selection-recall":
-            result = tasks.selection_recall(engine, eval_batches(args, vocab), args.seq_len, args.recall_chunks,
-                                            args.recall_blocks, args.seed, bar)
-        elif args.task == "kv-recall":
-            result = kv_recall(args, engine, vocab, bar)
-        else:
-            haystack = None if args.data == "copy" else load_tokens(args.data, vocab, max(args.lengths),
-                                                                     args.data_dtype)
-            codec = codec_for(args.tokenizer, args.model, vocab)
-            result = tasks.retrieval(engine, haystack, codec, args.lengths, args.depths, args.samples,
-                                     args.needle_template.replace("\\n", "\n"), args.seed, args.batch, bar)
+        result = task.run(args, engine, bar)
     finally:
         bar.close()
     result = {**result, "model": args.model, "data": args.data,
               "attention": f"top-{args.sparse_budget}" if args.sparse_budget else "dense"}
-    _print_eval(result)
+    first, *rest = task.report(result)
+    print(f"{result['task']}: {result['model']} on {result['data']}, {result['attention']} attention: {first}")
+    for line in rest:
+        print(line)
     if args.plot:
-        label = f"{args.model} ({result['attention']})"
-        {"position-loss": lambda: plots.position_loss({label: result}, args.plot),
-         "retrieval": lambda: plots.retrieval(result, args.plot, f"retrieval: {label}"),
-         "selection-recall": lambda: plots.selection_recall({label: result}, args.plot),
-         "loss": lambda: None}[args.task]()
+        task.plot(result, f"{args.model} ({result['attention']})", args.plot)
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "samples"}))
-
-
-def kv_recall(args, engine, vocab: int, bar) -> dict:
-    """`--task kv-recall`: recall pairs in equal numbers per distance bucket, in the held-out text."""
-    from .eval.tasks import kv_recall as run
-    from .train.data import load_tokens
-    from .train.recall import RecallTask, default_edges, evaluation_sequences
-
-    task = RecallTask(args.recall_keys, args.recall_values, args.recall_first_id)
-    edges = args.distance_buckets or default_edges(args.seq_len)
-    haystack = None
-    if args.data != "copy":
-        haystack = load_tokens(args.data, vocab, args.seq_len, args.data_dtype)
-        task.check_text(haystack, vocab, args.data)
-    sequences = evaluation_sequences(haystack, task, vocab, args.seq_len, args.chunk_size, edges, args.queries,
-                                     args.recall_pairs, args.seed)
-    return run(engine, sequences, task, edges, args.batch, bar)
-
-
-def _print_eval(r: dict) -> None:
-    head = f"{r['task']}: {r['model']} on {r['data']}, {r['attention']} attention"
-    if r["task"] == "loss":
-        print(f"{head}: loss {r['loss']:.4f} over {r['tokens']:,} tokens")
-    elif r["task"] == "position-loss":
-        print(f"{head}: loss {r['loss']:.4f} over {r['tokens']:,} tokens; by position:")
-        for b in r["buckets"]:
-            print(f"  [{b['start']:>9,}, {b['end']:>9,})  {b['tokens']:>10,} tokens  loss {b['loss']:.4f}")
-    elif r["task"] == "retrieval":
-        print(f"{head}: mean accuracy {r['mean_accuracy']:.3f} ({r['samples']} samples a cell)")
-        print("  length \\ depth " + "".join(f"{d:>7g}" for d in r["depths"]))
-        for n, row in zip(r["lengths"], r["accuracy"]):
-            print(f"  {n:>14,} " + "".join(f"{a:>7.2f}" for a in row))
-    elif r["task"] == "kv-recall":
-        print(f"{head}: accuracy {r['accuracy']:.3f} over {r['queries']:,} queries (chance {r['chance']:.4f}); "
-              "by needle-to-query distance:")
-        for b in r["buckets"]:
-            print(f"  {b['bucket']:>12}  {b['queries']:>6,} queries  accuracy {b['accuracy']:.3f} "
-                  f"[{b['ci_low']:.3f}, {b['ci_high']:.3f}]  answer loss {b['answer_loss']:.4f}")
-        for x in r.get("hit_rate", []):
-            heads = " ".join(f"{h:.2f}" for h in x["heads"])
-            print(f"  layer {x['layer']:>3}  needle-page hit rate {x['rate']:.3f} (KV heads {heads})")
-    else:
-        print(f"{head}: recall {r['recall']:.4f}, of the earlier pages' mass {r['earlier_recall']:.4f}")
-        for x in r["layers"]:
-            print(f"  layer {x['layer']:>3}  recall {x['recall']:.4f}  earlier {x['earlier_recall']:.4f}  "
-                  f"({x['blocks']} blocks)")
 
 
 def cmd_corpus(args) -> None:
@@ -306,16 +188,14 @@ PLAN_OVERRIDES = {
     "optimizer": {"choices": ("adamw", "adamw8bit", "none"),
                   "help": help_of("optimizer") + "; none: gradients only (the engine benchmarks)"},
 }
-#: the TrainConfig settings `oomb eval` takes (as oomb train's flags, but for EVAL_OVERRIDES)
+#: the TrainConfig settings every `oomb eval` task takes (as oomb train's flags, but for EVAL_OVERRIDES); a
+#: task's own (retrieval's needle template, kv-recall's recall ids ...) come with it (oomb.eval.registry)
 EVAL_FIELDS = ("model", "data", "data_dtype", "seq_len", "batch", "chunk_size", "page_size", "backend", "offload",
                "sparse_budget", "sparse_chunk_budget", "sparse_sink_pages", "sparse_representative",
-               "sparse_dense_layers", "rope_theta", "rope_scaling", "needle_template", "tokenizer", "recall_keys",
-               "recall_values", "recall_first_id", "recall_pairs", "device", "seed")
+               "sparse_dense_layers", "rope_theta", "rope_scaling", "device", "seed")
 EVAL_OVERRIDES = {
     # eval builds its engine directly: oomb.auto's 'auto' plans a training step (its dK/dV, its optimizer)
     "chunk_size": {"default": 1024, "type": at_least(1)},
-    # kv-recall scores recall pairs, so it needs some (train's 0 means no recall task)
-    "recall_pairs": {"default": 64, "type": at_least(1)},
     # not train's default 0: a model trained with the defaults is scored on other copy-task sequences
     "seed": {"default": 1},
 }
@@ -323,6 +203,9 @@ EVAL_OVERRIDES = {
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """`oomb` and its subcommands' parsers, by name."""
+    from .eval import DEFAULT_TASK, TASKS
+    from .eval.registry import add_task_flags
+
     parser = argparse.ArgumentParser(prog="oomb", description="Million-token-context training on one GPU.")
     sub = parser.add_subparsers(dest="command", required=True)
     commands = {}
@@ -350,27 +233,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     p_plan.set_defaults(func=cmd_plan)
 
     p_eval = commands["eval"] = sub.add_parser(
-        "eval", help="evaluate a model: loss, loss by position, needle retrieval, key-value recall by distance, "
-                     "top-k recall", formatter_class=HelpFormatter,
-        description="A token file's first non-overlapping windows of --seq-len are evaluated (retrieval: the text "
-                    "the needles hide in); the model's settings are oomb train's flags.")
-    p_eval.add_argument("--task", default="loss", choices=EVAL_TASKS, help="what is measured")
+        "eval", help=f"evaluate a model: {', '.join(TASKS)}", formatter_class=HelpFormatter,
+        description="A token file's first non-overlapping windows of --seq-len are evaluated (a task's own flags, "
+                    "which start with its name, say where it reads otherwise); the model's settings are oomb train's "
+                    "flags. Each task is one file of oomb.eval (docs/usage.md: how to add an eval task).")
+    p_eval.add_argument("--task", default=DEFAULT_TASK, choices=tuple(TASKS),
+                        help="what is measured: " + "; ".join(f"{t.name}: {t.help}" for t in TASKS.values()))
     add_settings(p_eval, EVAL_FIELDS, EVAL_OVERRIDES)
-    p_eval.add_argument("--batches", type=at_least(1), default=4, help="evaluate calls (token files: windows / --batch)")
-    p_eval.add_argument("--buckets", type=lambda t: [parse_tokens(x, low=0) for x in t.split(",")], default=None,
-                        help="position-loss: bucket starts, e.g. 0,1024,4096 (default: 0 and powers of two up to "
-                             "seq_len)")
-    p_eval.add_argument("--lengths", type=lambda t: [parse_tokens(x) for x in t.split(",")], default=[4096],
-                        help="retrieval: context lengths, e.g. 16K,64K,256K")
-    p_eval.add_argument("--depths", type=parse_depths, default=[0, 0.25, 0.5, 0.75, 1],
-                        help="retrieval: needle depths (0: start, 1: end)")
-    p_eval.add_argument("--samples", type=at_least(1), default=4, help="retrieval: sequences per (length, depth)")
-    p_eval.add_argument("--queries", type=at_least(1), default=256, help="kv-recall: queries in each distance bucket")
-    p_eval.add_argument("--distance-buckets", type=lambda t: [parse_tokens(x, 0) for x in t.split(",")], default=None,
-                        help="kv-recall: needle-to-query distance edges, e.g. 0,4K,16K,32K,64K (default: 0, 4K, "
-                             "16K, 32K, then doubling, up to seq_len); pairs within one chunk are a bucket of their own")
-    p_eval.add_argument("--recall-chunks", type=at_least(1), default=8, help="selection-recall: chunks sampled per sequence")
-    p_eval.add_argument("--recall-blocks", type=at_least(1), default=4, help="selection-recall: query blocks per chunk")
+    add_task_flags(p_eval)
     p_eval.add_argument("--json", action="store_true", help="the result as one JSON object, the last line of stdout")
     p_eval.add_argument("--plot", default="", help="write a PNG of the result here")
     p_eval.set_defaults(func=cmd_eval)

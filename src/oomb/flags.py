@@ -18,20 +18,7 @@ import json
 import math
 from pathlib import Path
 
-
-def parse_tokens(text: str, low: int = 1) -> int:
-    """'1M' -> 1048576, '64K' -> 65536, '4096' -> 4096: a whole number of tokens >= low (an
-    argparse error naming the text otherwise: inf, nan, 0, negative, fractional, not a number)."""
-    t = text.strip().upper()
-    scale = {"K": 2**10, "M": 2**20}.get(t[-1:], 1)
-    try:
-        value = float(t[:-1] if scale > 1 else t) * scale
-    except ValueError:
-        value = math.nan
-    if not math.isfinite(value) or value < low or value != int(value):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens >= {low}; use e.g. 4096, 64K "
-                                         "or 1M")
-    return int(value)
+from .units import parse_tokens
 
 
 def at_least(low: int):

@@ -263,6 +263,16 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def lora_params(config, rank: int, tp: int = 1) -> int:
+    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o), on one
+    rank of tensor-parallel degree `tp`: a column-parallel projection's B is split with it, a
+    row-parallel one's A (oomb.parallel); the other factor is whole on every rank."""
+    hidden, head_dim = config.hidden_size, head_dim_of(config)
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    per_layer = rank * (4 * hidden + (2 * q + 2 * kv) // tp)  # A of q/k/v and B of o whole
+    return config.num_hidden_layers * per_layer
+
+
 @dataclass
 class Fit:
     """Where a step's bytes go under an offload mode, against the memory a machine has."""

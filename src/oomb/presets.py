@@ -24,7 +24,7 @@ PRESETS = {
     # byte-level, Qwen2 shape, ~30M parameters, head_dim 128: the long-context quality study (bench/quality.py)
     "byte-lm-30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=256, rope_theta=10000.0, tie_word_embeddings=False),
-    # byte-lm-30m with 256 key and 256 value ids above the bytes: the associative recall study (train/recall.py)
+    # byte-lm-30m with 256 key and 256 value ids above the bytes: the associative recall study (data/recall.py)
     "byte-kv-30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=768, rope_theta=10000.0, tie_word_embeddings=False),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,

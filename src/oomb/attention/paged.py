@@ -157,7 +157,8 @@ def _fwd_config(q: torch.Tensor, head_dim: int) -> FwdTiles:
         return FwdTiles(BLOCK_M=32, BLOCK_N=16, num_warps=4, num_stages=1)
     if q.dtype == torch.float32 or head_dim > 128:  # twice the bytes per tile: halve it
         return FwdTiles(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
-    # bench/tune_attention.py on an H200 (bf16, D=128, C=4096; bench/results/tune.jsonl, 2026-11-30),
+    # bench/tune_attention.py on an H200 (bf16, D=128, C=4096, 2026-11-30; its rows:
+    # git show 45629ca:bench/results/tune.jsonl),
     # page slots from registers (_slot_batch): 3 stages 549.9 TFLOP/s at 64K keys dense, 490.5 at
     # top-k 64 of 1M; 2 stages 442.6 / 437.8 (with slots loaded in the loop, 2 stages had been the
     # faster: 461.1 vs 448.5 dense). 4 stages are out of shared memory; 64-key tiles slower.

@@ -161,7 +161,7 @@ def check_tools(tools, where: str) -> list[dict] | None:
 
 
 class ChatRenderer:
-    """(ids, mask) of chat records for one codec (train/needles.py: a tokenizer or bytes) and
+    """(ids, mask) of chat records for one codec (data/needles.py: a tokenizer or bytes) and
     template (the codec's own, or --chat-template's text)."""
 
     def __init__(self, codec, template: str | None = None, model: str = "") -> None:
@@ -219,7 +219,7 @@ def render_chat(tok, messages: list[dict], where: str, tools: list | None = None
                 template: str | None = None) -> tuple[list[int], np.ndarray]:
     """(ids, mask) of one conversation with a transformers tokenizer: the ids apply_chat_template
     gives, and (len(ids),) bool True on the assistant turns' tokens."""
-    from .needles import TokenizerCodec
+    from ..data.codec import TokenizerCodec
 
     ids, mask = ChatRenderer(TokenizerCodec(tok), template)(check_messages(messages, where), where,
                                                             check_tools(tools, where))

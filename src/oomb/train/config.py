@@ -11,12 +11,12 @@ from dataclasses import asdict, dataclass, field, fields
 
 from ..attention import BACKENDS
 from ..attention.sparse import REPRESENTATIVES
+from ..data.needles import DEFAULT_TEMPLATE
+from ..data.tokens import BIN_DTYPES, check_token_suffix
 from ..models.float8 import RECIPES as FLOAT8_RECIPES
 from ..models.rope import RopeScaling
 from ..placement import OFFLOAD_MODES
 from .callbacks import tracker_names
-from .data import BIN_DTYPES, check_token_suffix
-from .needles import DEFAULT_TEMPLATE
 
 OPTIMIZERS = ("adamw", "adamw8bit")
 LR_SCHEDULES = ("cosine", "constant")
@@ -119,12 +119,12 @@ class TrainConfig:
                                              "checkpoint")
     rope_scaling: str = setting("", "context extension: TYPE:FACTOR RoPE scaling, TYPE one of linear, dynamic, "
                                     "yarn, llama3 (kept in the exported checkpoint)")
-    needle_rate: float = setting(0.0, "key-value needles (train/needles.py) in this share of the training "
+    needle_rate: float = setting(0.0, "key-value needles (data/needles.py) in this share of the training "
                                       "sequences, so retrieval is learnable")
     needles_per_sequence: int = setting(4, "needles in a sequence that has them")
     needle_template: str = setting(DEFAULT_TEMPLATE, "the needle, with {key} then {value}; the query is its text "
                                                      "up to {value} (\\n: a newline)")
-    recall_pairs: int = setting(0, "associative recall (train/recall.py): this many single-token key-value pairs "
+    recall_pairs: int = setting(0, "associative recall (data/recall.py): this many single-token key-value pairs "
                                    "in every sequence, keys and values from ids reserved at the top of the "
                                    "vocabulary (the text must not use them; preset byte-kv-30m)")
     recall_keys: int = setting(256, "distinct recall key ids")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .needles import TokenizerCodec, make_codec
+from ..data.codec import TokenizerCodec, make_codec
 from .outputs import make_folder
 
 HEADER = "# ==== {path} ====\n"

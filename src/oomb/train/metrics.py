@@ -78,7 +78,7 @@ class StepLogger:
                              "bad_in_a_row": in_a_row})
 
     def log_eval(self, step: int, loss: float, tokens: int, seconds: float, recall: dict | None = None) -> dict:
-        """recall: the held-out recall pairs' accuracy by distance bucket (train/recall.py)."""
+        """recall: the held-out recall pairs' accuracy by distance bucket (data/recall.py)."""
         by = "  recall " + ", ".join(f"{k} {v:.2f}" for k, v in recall.items()) if recall else ""
         print(f"eval {step:>5}/{self.total_steps}  loss {loss:.4f}  ppl {math.exp(min(loss, 700)):.2f}  "
               f"({tokens:,} tokens, {seconds:.1f}s){by}", file=self.stream, flush=True)

@@ -1,4 +1,4 @@
-"""`oomb tokenize`: data files or hub datasets to a document file (train/documents.py).
+"""`oomb tokenize`: data files or hub datasets to a document file (data/documents.py).
 
 Inputs: `.txt` (the whole file one document), `.jsonl` (a record per line), `.json` (a list of
 records), `.parquet` (pyarrow), a directory written by `datasets`' save_to_disk, or anything
@@ -26,9 +26,9 @@ from typing import Iterator
 
 import numpy as np
 
+from ..data.codec import ByteCodec, make_codec
+from ..data.documents import sibling, write_documents
 from .chat import ChatRenderer, check_messages, check_tools
-from .documents import sibling, write_documents
-from .needles import ByteCodec, make_codec
 from .outputs import make_folder
 
 FORMATS = (".txt, .jsonl, .json, .parquet, a directory written by datasets' save_to_disk, or a dataset "

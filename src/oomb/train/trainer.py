@@ -18,6 +18,10 @@ import torch.distributed as dist
 from ..attention.sparse import TopKPages
 from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
+from ..data.codec import codec_for
+from ..data.documents import data_layout
+from ..data.recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
+from ..data.tokens import load_tokens, windows
 from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
 from ..models import adapter_class
 from ..models.float8 import apply_float8
@@ -30,13 +34,11 @@ from . import checkpoint
 from .callbacks import CallbackList, trackers
 from .checks import check_finite_weights, check_model_fits, resume_note, weight_dtype
 from .config import TrainConfig
-from .data import NeedleMix, load_tokens, make_data, windows
-from .documents import data_layout
+from .data import NeedleMix, make_data
 from .export import base_of
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
 from .output_dir import open_output_dir, resolved_config, truncate_metrics, write_resolved
-from .recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
 
 
 def resolve_device(name: str) -> torch.device:
@@ -156,26 +158,6 @@ def parse_layers(text: str) -> tuple[int, ...]:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"sparse_dense_layers={text!r} must be comma-separated layer indices, e.g. -2,-1") from None
-
-
-def codec_for(tokenizer: str, model: str, vocab_size: int):
-    """What encodes needle text for this model: --tokenizer, else the checkpoint's own tokenizer,
-    else bytes for a byte-level vocabulary (a preset, or a checkpoint trained on bytes)."""
-    from ..presets import PRESETS
-    from .needles import make_codec
-
-    if tokenizer:
-        return make_codec(tokenizer, vocab_size)
-    if model not in PRESETS:
-        try:
-            return make_codec(model, vocab_size)
-        except ValueError:
-            if vocab_size != 256:
-                raise
-    if vocab_size != 256:
-        raise ValueError(f"{model} has no tokenizer and a vocabulary of {vocab_size:,}, not bytes: pass --tokenizer "
-                         "(a checkpoint directory with tokenizer files)")
-    return make_codec("bytes", vocab_size)
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -318,7 +300,7 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
              device: torch.device, recall: RecallTask | None = None) -> tuple[float, int, dict]:
     """Mean loss per predicted token over `batches` (and every data-parallel rank's), in eval
     mode; the page pool is the training step's. recall: also the recall pairs' accuracy by
-    distance bucket (train/recall.py), {bucket name: accuracy}."""
+    distance bucket (data/recall.py), {bucket name: accuracy}."""
     model.eval()
     vocab, edges = engine.adapter.vocab_size, default_edges(batches[0][0].shape[1])
     tally = Tally(edges) if recall is not None else None

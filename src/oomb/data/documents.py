@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..loss import IGNORE_INDEX
-from .data import read_tokens
+from .tokens import read_tokens
 
 PAD_ID = 0  # pad tokens carry no loss and are attended by no document's token
 
