@@ -6,14 +6,15 @@
 
     oomb.train(oomb.TrainConfig(model="/path/to/ckpt", seq_len=65536), callbacks=[...])  # oomb train's loop
 """
+from .attention.policy import SparsePolicy
 from .attention.sparse import TopKPages
 from .config import EngineConfig, KernelOptions
 from .engine import ChunkRecurrentEngine, StepResult
-from .memory.spec import PageSpec
+from .memory.spec import PageSpec, Selection
 from .train.callbacks import Callback  # binds oomb.train too: the trainer's package, callable (train/__init__.py)
 
-__all__ = ["Callback", "ChunkRecurrentEngine", "EngineConfig", "KernelOptions", "PageSpec", "StepResult", "TopKPages",
-           "TrainConfig", "train"]
+__all__ = ["Callback", "ChunkRecurrentEngine", "EngineConfig", "KernelOptions", "PageSpec", "Selection", "SparsePolicy",
+           "StepResult", "TopKPages", "TrainConfig", "train"]
 __version__ = "0.1.0"
 
 

@@ -14,7 +14,7 @@ import torch
 
 from .attention import BACKENDS
 from .attention.options import KernelOptions
-from .attention.sparse import TopKPages
+from .attention.policy import SparsePolicy, check_policy
 from .placement import OFFLOAD_MODES
 
 
@@ -27,7 +27,8 @@ class EngineConfig:
     backend: 'triton' (CUDA kernels), 'torch' (plain PyTorch: CPU, and the tests' oracle) or 'auto'.
     offload: where the full-attention layers' pages live: 'none' (GPU), 'all' (pinned host
     memory) or 'auto' (whole layers on the GPU while they fit, the rest on the host).
-    sparse: TopKPages(budget=...) for page-level top-k attention, None for dense.
+    sparse: a SparsePolicy (attention/policy.py): TopKPages(budget=...) for page-level top-k
+    attention; None for dense.
     kv_grad_dtype: the dK/dV pages' dtype (float32, bfloat16: half the bytes), or None for an
     evaluation-only engine (pages without dK/dV).
     group_pages: a layer's earlier pages are attended (and a dense host layer's staged) this
@@ -53,7 +54,7 @@ class EngineConfig:
     page_size: int = 128
     backend: str = "auto"
     offload: str = "none"
-    sparse: TopKPages | None = None
+    sparse: SparsePolicy | None = None
     kv_grad_dtype: torch.dtype | None = torch.float32
     group_pages: int = 1024
     gpu_page_budget_bytes: int | None = None
@@ -80,8 +81,8 @@ class EngineConfig:
                              "torch elsewhere")
         if self.offload not in OFFLOAD_MODES:
             raise ValueError(f"offload={self.offload!r} is not one of {OFFLOAD_MODES}")
-        if self.sparse is not None and not isinstance(self.sparse, TopKPages):
-            raise ValueError(f"sparse={self.sparse!r} must be None (dense) or oomb.TopKPages(budget=...)")
+        if self.sparse is not None:
+            check_policy(self.sparse)
         if self.kv_grad_dtype not in (torch.float32, torch.bfloat16, None):
             raise ValueError(f"kv_grad_dtype={self.kv_grad_dtype} must be torch.float32, torch.bfloat16 or None "
                              "(evaluation only: pages without dK/dV, a third of the memory with fp32)")

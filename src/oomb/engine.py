@@ -28,14 +28,13 @@ from torch.utils.checkpoint import checkpoint
 
 from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.documents import Documents, check_positions, documents
-from .attention.sparse import Selection, select_pages
 from .config import EngineConfig
 from .grad_sums import GradSums
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
 from .memory.device import device_memory
 from .memory.kept import KeptAttention
 from .memory.pinned import available_host_bytes
-from .memory.spec import PageSpec, ScheduledGroups, staging_bytes
+from .memory.spec import PageSpec, ScheduledGroups, Selection, staging_bytes
 from .memory.store import PagedKVStore
 from .models import adapter_for
 from .parallel import local_tensor
@@ -60,8 +59,8 @@ class StepResult:
 class Probe(Protocol):
     """Called by evaluate(probe=...) for each chunk and layer, after the layer's projections and
     before its attention: chunk c, layer i, the chunk's post-RoPE queries q (B, H, C, D) and keys
-    k (B, Hkv, C, D), the top-k Selection of the earlier pages (None for a dense layer) and
-    `earlier_keys()`, which copies the layer's earlier keys (B, Hkv, n * P, D) to the device."""
+    k (B, Hkv, C, D), the sparse policy's Selection of the earlier pages (None for a dense layer)
+    and `earlier_keys()`, which copies the layer's earlier keys (B, Hkv, n * P, D) to the device."""
 
     def __call__(self, c: int, i: int, q: torch.Tensor, k: torch.Tensor, selection: Selection | None,
                  earlier_keys: Callable[[], torch.Tensor]) -> None: ...
@@ -115,9 +114,7 @@ class ChunkRecurrentEngine:
         tails = {i: min(pages_per_chunk, -(-(w - 1) // page_size))
                  for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, config.group_pages,
-                                  sparse.representative if sparse is not None else None, tails, pages_per_chunk,
-                                  sparse.chunk_budget if sparse is not None else 0,
-                                  copy_engines=config.kernels.copy_engines,
+                                  sparse, tails, pages_per_chunk, copy_engines=config.kernels.copy_engines,
                                   local_world_size=config.local_world_size)
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
@@ -398,8 +395,8 @@ class ChunkRecurrentEngine:
         q, k, v = self.adapter.project_qkv(layer, h, cos, sin)
         if groups is None:
             with torch.no_grad():  # indices only: nothing to differentiate, nothing to save
-                selection = select_pages(q, self.store.representatives(i, n_pages), self.sparse,
-                                         *self._document_pages(c, n_pages))
+                selection = self.sparse.select(q, self.store.representatives(i, n_pages),
+                                               *self._document_pages(c, n_pages))
                 self._selection[c, i] = self.store.copy_to_host(i, selection)  # for stage 2's copies
             groups = self.store.selected_groups(i, n_pages, self._selection[c, i], self.sparse.block_queries,
                                                 docs=self._docs)
@@ -408,7 +405,7 @@ class ChunkRecurrentEngine:
         return q, k, v, groups
 
     def _document_pages(self, c: int, n_pages: int) -> tuple[int, torch.Tensor | None]:
-        """Packed documents, for top-k selection in chunk c: the first page its queries can see,
+        """Packed documents, for the sparse selection in chunk c: the first page its queries can see,
         and (B, n_blocks) the page of each query block's first document start; (0, None) unpacked."""
         if self._docs is None:
             return 0, None

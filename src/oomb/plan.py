@@ -14,7 +14,7 @@ import torch
 from . import placement
 from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import PageSpec, staged_slots, staging_bytes
+from .memory.spec import PageSpec, index_dtype, staged_slots, staging_bytes
 from .models import adapter_class
 from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
@@ -212,8 +212,9 @@ def kept_attention_bytes(stored_chunks: int, kept_layers: int, batch: int, chunk
 
 def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item,
                   n_full) -> dict:
-    """Representatives of every stored page, and each chunk's selection (attention/sparse.py:
-    int32 candidates, per-block picks in the smallest type that indexes them), full layers."""
+    """Representatives of every stored page, and each chunk's selection (memory/spec.Selection:
+    int32 candidates, per-block picks in index_dtype; their counts as attention/policy.py states
+    them), full layers."""
     if sparse is None:
         return {}
     reps = (n_chunks - 1) * chunk_pages * batch * kv_heads * sparse.rep_size * head_dim * item
@@ -223,7 +224,7 @@ def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_
         cand, keep = min(sparse.chunk_budget, earlier), min(sparse.budget, earlier)
         if keep == 0:
             continue
-        index = 1 if cand <= 256 else 2 if cand <= 2**15 else 4
+        index = index_dtype(cand).itemsize
         blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
         chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
     return {"representatives": n_full * reps, "selections": n_full * chosen}

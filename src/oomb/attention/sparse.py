@@ -18,14 +18,16 @@ from dataclasses import dataclass
 
 import torch
 
-# A page's representative and a chunk's selection are data the page store holds (memory/spec.py).
-from ..memory.spec import Selection, page_representatives  # noqa: F401 (re-exported)
+# A chunk's selection is data the page store holds (memory/spec.py).
+from ..memory.spec import Selection, index_dtype
 
 REPRESENTATIVES = ("mean", "minmax")
 
 
 @dataclass(frozen=True)
 class TopKPages:
+    """Page-level top-k (module docstring): a SparsePolicy (attention/policy.py)."""
+
     budget: int = 64  # pages attended per query block and KV head, sinks included (64 = 8K tokens)
     sink_pages: int = 1  # the first pages, always attended (attention sinks)
     representative: str = "mean"  # 'mean' (MoBA) or 'minmax' (Quest)
@@ -69,6 +71,25 @@ class TopKPages:
         """Vectors per page and KV head in the representative."""
         return 2 if self.representative == "minmax" else 1
 
+    def representatives(self, k: torch.Tensor, n_pages: int) -> torch.Tensor:
+        return page_representatives(k, n_pages, self.representative)
+
+    def select(self, q: torch.Tensor, reps: torch.Tensor, first_page: int = 0,
+               block_pages: torch.Tensor | None = None) -> Selection:
+        return select_pages(q, reps, self, first_page, block_pages)
+
+    def describe(self) -> dict:
+        return {"budget": self.budget, "representative": self.representative, "sink_pages": self.sink_pages}
+
+
+def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:
+    """k: (B, Hkv, n*P, D) post-RoPE keys of whole pages -> (B, n, Hkv, R, D) in k's dtype."""
+    b, h, t, d = k.shape
+    pages = k.reshape(b, h, n_pages, t // n_pages, d).transpose(1, 2)  # (B, n, Hkv, P, D)
+    if kind == "mean":
+        return pages.float().mean(dim=3, keepdim=True).to(k.dtype)
+    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
+
 
 def select_pages(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages, first_page: int = 0,
                  block_pages: torch.Tensor | None = None) -> Selection:
@@ -97,7 +118,7 @@ def _select(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages, block_pages: to
     keep, n_cand = min(cfg.budget, n), min(cfg.chunk_budget, n)
     if keep == 0:
         return Selection(torch.empty((b, 0), dtype=torch.int32, device=q.device),
-                         torch.empty((b, n_kv, blocks, 0), dtype=torch.uint8, device=q.device))
+                         torch.empty((b, n_kv, blocks, 0), dtype=index_dtype(0), device=q.device))
     # Mean query of each block and head: (B, Hkv, G, n_blocks, D), fp32.
     pad = blocks * cfg.block_queries - c
     qf = torch.nn.functional.pad(q.float(), (0, 0, 0, pad))
@@ -122,9 +143,7 @@ def _select(q: torch.Tensor, reps: torch.Tensor, cfg: TopKPages, block_pages: to
     else:
         cand = torch.arange(n, device=q.device).expand(b, n)
     top = torch.topk(scores, keep, dim=-1, sorted=False).indices
-    # Kept for the whole step (every chunk and layer): the smallest type that indexes the candidates.
-    small = torch.uint8 if n_cand <= 256 else torch.int16 if n_cand <= 2**15 else torch.int32
-    return Selection(cand.to(torch.int32).contiguous(), top.sort(dim=-1).values.to(small))
+    return Selection(cand.to(torch.int32).contiguous(), top.sort(dim=-1).values.to(index_dtype(n_cand)))
 
 
 def selection_mask(pages, n_queries: int) -> torch.Tensor:

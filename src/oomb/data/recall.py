@@ -12,7 +12,7 @@ query's value is a target, since the needle's key, its value and the query's key
 
 Training sequences carry `pairs` pairs at needle-to-query distances drawn half log-uniformly
 (every scale from 2 tokens to the whole sequence alike) and half uniformly (most pairs far
-apart); evaluation sequences place equal numbers of pairs in each distance bucket (eval/tasks.py).
+apart); evaluation sequences place equal numbers of pairs in each distance bucket (eval/kv_recall.py).
 """
 from __future__ import annotations
 

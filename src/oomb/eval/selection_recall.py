@@ -80,7 +80,7 @@ def recall_chunks(seq_len: int, chunk_size: int, page_size: int, budget: int, n:
 def selection_recall(engine: ChunkRecurrentEngine, batches: Batches, seq_len: int, chunks: int = 8,
                      blocks: int = 4, seed: int = 0, progress=None) -> dict:
     """Per layer, the mean recall over sampled query blocks (RecallProbe) of `chunks` chunks per
-    sequence. Needs an engine with sparse=TopKPages(...)."""
+    sequence. Needs an engine with a sparse policy (sparse=TopKPages(...) or another SparsePolicy)."""
     sparse = engine.sparse
     if sparse is None:
         raise ValueError("selection-recall measures top-k sparse attention: pass --sparse-budget N")
@@ -98,8 +98,7 @@ def selection_recall(engine: ChunkRecurrentEngine, batches: Batches, seq_len: in
                                                           for m in ("recall", "earlier_recall", "earlier_mass")}})
     if not layers:
         raise ValueError("no query block was sampled (every layer dense?)")
-    return {"task": "selection-recall", "seq_len": seq_len, "budget": sparse.budget,
-            "representative": sparse.representative, "sink_pages": sparse.sink_pages,
+    return {"task": "selection-recall", "seq_len": seq_len, **sparse.describe(),
             "dense_layers": sorted(sparse.dense_set(engine.adapter.n_layers)),
             "recall": float(np.mean([x["recall"] for x in layers])),
             "earlier_recall": float(np.mean([x["earlier_recall"] for x in layers])), "layers": layers,

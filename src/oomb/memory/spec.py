@@ -1,5 +1,5 @@
 """The frozen shape of one page (what it holds, how many bytes it takes), the views attention
-reads of a layer's pages, a page's sparse-attention representative, and a chunk's selection."""
+reads of a layer's pages, and a chunk's sparse-attention selection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -119,15 +119,6 @@ class ScheduledGroups(Protocol):
         groups leave a staging buffer free."""
 
 
-def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:
-    """k: (B, Hkv, n*P, D) post-RoPE keys of whole pages -> (B, n, Hkv, R, D) in k's dtype."""
-    b, h, t, d = k.shape
-    pages = k.reshape(b, h, n_pages, t // n_pages, d).transpose(1, 2)  # (B, n, Hkv, P, D)
-    if kind == "mean":
-        return pages.float().mean(dim=3, keepdim=True).to(k.dtype)
-    return torch.stack([pages.amin(dim=3), pages.amax(dim=3)], dim=3)
-
-
 class Selection(NamedTuple):
     """What one chunk attends of one layer's earlier pages (kept from stage 1 for stage 2)."""
 
@@ -141,3 +132,9 @@ class Selection(NamedTuple):
         b, n_kv, blocks, k = self.blocks.shape
         flat = self.pages.long()[:, None, :].expand(b, n_kv * blocks, -1)
         return flat.gather(2, self.blocks.long().view(b, n_kv * blocks, k)).view(b, n_kv, blocks, k).int()
+
+
+def index_dtype(n_cand: int) -> torch.dtype:
+    """Selection.blocks' dtype for n_cand candidates: the smallest that indexes them (selections are
+    kept for the whole step, every chunk and layer; the memory plan counts them in it)."""
+    return torch.uint8 if n_cand <= 256 else torch.int16 if n_cand <= 2**15 else torch.int32

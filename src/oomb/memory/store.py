@@ -22,20 +22,21 @@ import torch
 
 from .offload import HostPages
 from .pool import PagePool
-from .spec import LayerPages, PageSpec, ScheduledGroups, Selection, page_representatives
+from .spec import LayerPages, PageSpec, ScheduledGroups, Selection
 
 
 class PagedKVStore:
     def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 1024,
-                 representative: str | None = None, tail_pages: dict[int, int] | None = None,
-                 chunk_pages: int = 0, selected_pages: int = 0, copy_engines: bool = True,
-                 local_world_size: int = 1) -> None:
+                 sparse=None, tail_pages: dict[int, int] | None = None, chunk_pages: int = 0,
+                 copy_engines: bool = True, local_world_size: int = 1) -> None:
+        """sparse: the SparsePolicy (attention/policy.py) whose page representatives the store
+        keeps and whose chunk_budget a host layer stages, or None (dense)."""
         self.spec = spec
         self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
-        # Sparse attention: one representative per page and KV head (a few KiB a page), logically
+        # Sparse attention: a representative per page and KV head (a few KiB a page), logically
         # indexed, (device layers, B, max_pages, Hkv, R, D); host layers keep theirs on the host.
-        self.representative = representative
-        self.rep_size = 0 if representative is None else 2 if representative == "minmax" else 1
+        self.sparse = sparse
+        self.rep_size = sparse.rep_size if sparse is not None else 0
         self.reps = None
         self.n_layers = n_layers
         self.device = torch.device(device)
@@ -47,11 +48,10 @@ class PagedKVStore:
         self.v = torch.empty_like(self.k)
         self.dk = self.dv = None  # gradient pools (None without gradient pages)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
-        self.selected_pages = selected_pages  # sparse: the most pages a chunk reads of a layer
-        # A host layer stages one group at a time: a sparse one its selection, a dense one
-        # group_pages (the dense layers of a sparse model, TopKPages.dense_layers, a selection's
-        # worth of pages at a time; its sliding-window layers never go to the host).
-        self.staged_pages = selected_pages or group_pages
+        # A host layer stages one group at a time: a sparse one its selection (chunk_budget pages at
+        # most), a dense one group_pages (the dense layers of a sparse model, SparsePolicy.dense_set,
+        # a selection's worth of pages at a time; its sliding-window layers never go to the host).
+        self.staged_pages = sparse.chunk_budget if sparse is not None else group_pages
         # how host pages are pinned and moved (config.KernelOptions.copy_engines, EngineConfig.local_world_size)
         self._host_options = dict(copy_engines=copy_engines, local_ranks=local_world_size)
         self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size, **self._host_options)
@@ -161,10 +161,10 @@ class PagedKVStore:
         n_pages = k.shape[2] // self.spec.page_size
         if layer not in self._row:
             if self.rep_size:
-                self.host.write_reps(layer, first_page, page_representatives(k, n_pages, self.representative))
+                self.host.write_reps(layer, first_page, self.sparse.representatives(k, n_pages))
             return self.host.write(layer, first_page, k, v)
         if self.rep_size and layer not in self.tail_pages:  # sliding-window layers attend densely
-            reps = page_representatives(k, n_pages, self.representative)
+            reps = self.sparse.representatives(k, n_pages)
             self.reps[self._rep_row[layer], :, first_page : first_page + n_pages] = reps
         skip = n_pages - self.kept(layer, n_pages)  # a windowed layer's pages no window reaches
         k, v = k[:, :, skip * self.spec.page_size :], v[:, :, skip * self.spec.page_size :]
@@ -218,7 +218,12 @@ class PagedKVStore:
         return selection._replace(host_pages=self.host.copy_rows_to_host(selection.pages))
 
     def representatives(self, layer: int, n_pages: int) -> torch.Tensor:
-        """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention)."""
+        """(B, n_pages, Hkv, R, D) of the first n_pages pages of `layer` (sparse attention; R = 0,
+        an empty tensor, for a policy that keeps none)."""
+        if not self.rep_size:
+            s = self.spec
+            return torch.empty((self.table.shape[1], n_pages, s.n_kv_heads, 0, s.head_dim), dtype=s.dtype,
+                               device=self.device)
         if layer not in self._row:
             return self.host.representatives(layer, n_pages)
         return self.reps[self._rep_row[layer], :, :n_pages]
