@@ -1,4 +1,5 @@
-"""The training loop: the engine computes gradients, this owns data, optimizer and state."""
+"""The training loop: the engine computes gradients, this owns data, optimizer and state.
+train() is set_up() (a Run: model, optimizer, engine, data), then train_loop(), a train_step() at a time."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,6 +10,7 @@ import shlex
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from functools import partial
 
 import numpy as np
@@ -345,15 +347,44 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None, callbacks=()) 
     cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
     hooks = hooks if rank0 else CallbackList()
     try:
-        return _run(cfg, kernels, mesh, rank0, hooks)
+        return train_loop(set_up(cfg, kernels, mesh, rank0), hooks)
     finally:
         hooks.end()
         if lock is not None:
             lock.release()
 
 
-def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hooks: CallbackList) -> list[float]:
-    """train() once the output directory is this run's."""
+@dataclasses.dataclass
+class Run:
+    """What set_up() builds for the loop: this rank's place in the mesh, the model with its
+    optimizer and schedule, the engine, the data; and where the run stands (its last finished
+    step, the losses of the steps this process ran, the checkpoints it wrote)."""
+    cfg: TrainConfig
+    rank0: bool
+    distributed: bool
+    device: torch.device
+    dp_group: object  # the process groups (None in a single process)
+    tp_group: object
+    dp_size: int
+    model: torch.nn.Module
+    params: list  # the trainable parameters
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    engine: ChunkRecurrentEngine | None  # replaced when the first step is retried smaller
+    choice: Choice | None  # oomb.auto's choice of the engine's settings; None when all were given
+    data: Iterator
+    held_out: list  # the evaluation batches (none without eval_every)
+    vocab: int
+    step: int  # a resumed run starts at its checkpoint's
+    losses: list[float] = dataclasses.field(default_factory=list)
+    saved: dict[int, str] = dataclasses.field(default_factory=dict)  # step -> its checkpoint's directory
+    save_s: float = 0.0  # the time the last checkpoint took
+
+
+def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> Run:
+    """Everything before step 1 once the output directory is this run's: the device, the model
+    (tensor-parallel over the mesh), the optimizer (ZeRO-1 under data parallelism), the engine,
+    the data, a resumed run's state, and the run's first line."""
     distributed = mesh is not None
     dp_group = mesh["dp"].get_group() if mesh is not None else None
     dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
@@ -404,8 +435,11 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hoo
         print(note, flush=True)
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
         next(data)
+    run = Run(cfg=cfg, rank0=rank0, distributed=distributed, device=device, dp_group=dp_group,
+              tp_group=mesh["tp"].get_group() if mesh is not None else None, dp_size=dp_size, model=model,
+              params=params, optimizer=optimizer, scheduler=scheduler, engine=engine, choice=choice, data=data,
+              held_out=held_out, vocab=vocab, step=step)
 
-    n_params = sum(p.numel() for p in params)
     frozen = lost_update_fraction(params, cfg.lr) if cfg.optimizer == "adamw" else 0.0
     if rank0 and frozen > 0.01:
         print(f"oomb train: warning: bf16 weights with torch's AdamW round away updates below half a bf16 step: at "
@@ -413,136 +447,67 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hoo
               "change; use --optimizer adamw8bit (stochastic rounding), --dtype float32 or --lora-rank",
               flush=True)
     if rank0:
-        accum = f"{cfg.grad_accum} micro-batches of " if cfg.grad_accum > 1 else ""
-        layout = f", {dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if distributed else ""
-        layout += " (optimizer state sharded: ZeRO-1)" if zero else ""
-        print(f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
-              f"on {device}{layout}, backend {engine.backend}, offload {engine.config.offload}, "
-              f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if dp_size > 1 else ''}"
-              f"{' (packed documents)' if how == 'packed' else ' (a document each)' if how == 'documents' else ''}, "
-              f"chunk {engine.chunk_size}, page {cfg.page_size}, "
-              f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
-              f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
-              f"{rope_summary(model.config) if cfg.rope_theta or cfg.rope_scaling else ''}"
-              f"{f'needles in {cfg.needle_rate:.0%} of sequences, ' if cfg.needle_rate else ''}"
-              f"{f'{cfg.recall_pairs} recall pairs a sequence, ' if cfg.recall_pairs else ''}"
-              f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
-              f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
-              f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
-              f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
-              f"{cfg.steps} steps", flush=True)
-    hooks.begin(step, dataclasses.asdict(resolved_config(cfg, engine, device)))
+        print(first_line(run, how, zero, compile_layers), flush=True)
+    return run
+
+
+def first_line(run: Run, how: str, zero: bool, compile_layers: bool) -> str:
+    """The run's first line: the model, the parallel layout, the engine's settings and what the
+    data and the optimizer do. how: the data's layout (data_layout); zero: ZeRO-1."""
+    cfg, engine = run.cfg, run.engine
+    n_params = sum(p.numel() for p in run.params)
+    accum = f"{cfg.grad_accum} micro-batches of " if cfg.grad_accum > 1 else ""
+    layout = f", {run.dp_size} data-parallel x {cfg.tp} tensor-parallel ranks" if run.distributed else ""
+    layout += " (optimizer state sharded: ZeRO-1)" if zero else ""
+    return (f"oomb train: {cfg.model} ({n_params / 1e6:.2f}M trainable params) "
+            f"on {run.device}{layout}, backend {engine.backend}, offload {engine.config.offload}, "
+            f"{accum}{cfg.batch} x {cfg.seq_len:,} tokens a step{' per rank' if run.dp_size > 1 else ''}"
+            f"{' (packed documents)' if how == 'packed' else ' (a document each)' if how == 'documents' else ''}, "
+            f"chunk {engine.chunk_size}, page {cfg.page_size}, "
+            f"{f'sparse top-{cfg.sparse_budget} pages' if cfg.sparse_budget else 'dense'} attention, "
+            f"{f'dense layers {cfg.sparse_dense_layers}, ' if cfg.sparse_budget and cfg.sparse_dense_layers else ''}"
+            f"{rope_summary(run.model.config) if cfg.rope_theta or cfg.rope_scaling else ''}"
+            f"{f'needles in {cfg.needle_rate:.0%} of sequences, ' if cfg.needle_rate else ''}"
+            f"{f'{cfg.recall_pairs} recall pairs a sequence, ' if cfg.recall_pairs else ''}"
+            f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
+            f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
+            f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
+            f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
+            f"{cfg.steps} steps")
+
+
+def train_loop(run: Run, hooks: CallbackList) -> list[float]:
+    """Steps until cfg.steps, a callback's stop or a signal the ranks agree on: after each, its
+    line and row (a non-finite step skipped, the run stopped after max_bad_steps in a row), then
+    evaluation and checkpoint when due, the callbacks asked after each; at the end the export.
+    Returns the losses of the steps this process ran."""
+    cfg, rank0 = run.cfg, run.rank0
+    hooks.begin(run.step, dataclasses.asdict(resolved_config(cfg, run.engine, run.device)))
     metrics = os.path.join(cfg.output_dir, "metrics.jsonl") if cfg.output_dir and rank0 else None
     if metrics:  # a resumed run writes the rows after its step again
-        truncate_metrics(metrics, step)
-    logger = StepLogger(cfg.steps, device, metrics=metrics)
-    tp_group = mesh["tp"].get_group() if mesh is not None else None
+        truncate_metrics(metrics, run.step)
+    logger = StepLogger(cfg.steps, run.device, metrics=metrics)
     interrupt = Interrupt(announce=rank0, shutdown_timeout_s=cfg.shutdown_timeout)
-    stop_group = host_group(cfg.process_group_timeout) if distributed else None
+    stop_group = host_group(cfg.process_group_timeout) if run.distributed else None
     # a stop waits for the chunk pass in progress, the next (Interrupt.agreed reads the flag a pass late) and,
     # on a GPU, those queued ahead of it
-    stop_passes = 2 + (HOST_LEAD_CHUNKS if device.type == "cuda" else 0)
-    saved, save_s = {}, 0.0
-
-    def save(step: int) -> str:
-        nonlocal save_s
-        if step not in saved:  # a signal right after a scheduled save reuses it
-            check_finite_weights(model, step, losses, cfg)
-            t0 = time.perf_counter()
-            path = checkpoint.save(cfg.output_dir, step, model, optimizer, scheduler, cfg, write=rank0)
-            saved[step] = str(path)
-            save_s = time.perf_counter() - t0
-            interrupt.newest_checkpoint = saved[step]
-            if rank0:
-                print(f"saved {path}", flush=True)
-            if rank0 and cfg.save_total_limit:  # only after the new one is in place and verified
-                for old in checkpoint.prune(cfg.output_dir, cfg.save_total_limit, path):
-                    print(f"deleted {old} (--save-total-limit {cfg.save_total_limit})", flush=True)
-        return saved[step]
-
-    def progress_of(bar):
-        def progress(done: int, total: int) -> None:
-            bar(done, total)
-            if interrupt.agreed(stop_group):  # every rank after the same chunk pass: stop now
-                raise StepAbandoned
-        return progress
-
+    stop_passes = 2 + (HOST_LEAD_CHUNKS if run.device.type == "cuda" else 0)
+    save = partial(save_checkpoint, run, interrupt)
     # stopped: the ranks agreed to stop (a signal after the last agreement is not acted on by its rank alone:
     # the ranks would part at the next collective)
-    losses, bad, stopped = [], 0, False
+    bad, stopped = 0, False
     stop = False  # a callback asked to stop: this step is the run's last
     try:
-        while step < cfg.steps and not stop:
-            micro = [next(data) for _ in range(cfg.grad_accum)]
-            if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
-                micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
-                                          labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
-            for input_ids, *_ in micro:
-                if int(input_ids.max()) >= vocab:
-                    raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size="
-                                     f"{vocab}; the data was tokenised for another model")
-            t0 = time.perf_counter()
-            # One denominator for the whole step: the predicted tokens of every micro-batch on every
-            # data-parallel rank, so the summed gradients are those of one big batch.
-            count = global_token_count(torch.cat([batch[1] for batch in micro]), dp_group)  # one all-reduce
-            loss_t = torch.zeros((), dtype=torch.float32, device=device)
-            try:
-                while True:
-                    try:
-                        for m, batch in enumerate(micro):
-                            desc = f"step {step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
-                            with chunk_progress(desc, enabled=rank0) as bar:
-                                loss_t += engine.forward_backward(batch[0], batch[1], num_tokens=count,
-                                                                  progress=progress_of(bar), **positions(batch)).loss
-                        break
-                    except torch.OutOfMemoryError as e:
-                        # The plan was wrong: the run's first step is retried one notch smaller
-                        # (a single process: ranks would disagree on where they are).
-                        if losses or choice is None or distributed:
-                            raise
-                        oom = str(e).splitlines()[0][:200]
-                    # out of the except block, whose traceback held the failed step's tensors
-                    optimizer.zero_grad(set_to_none=True)
-                    loss_t.zero_()
-                    engine = None
-                    choice = replan_after_oom(cfg, model, device, choice, optimizer, oom)
-                    engine = ChunkRecurrentEngine(model, choice.engine)
-                    engine.reserve(cfg.batch, cfg.seq_len)
-                    if cfg.output_dir:  # a single process (rank 0): the settings it now runs
-                        write_resolved(cfg, engine, device)
-            except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
-                optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+        while run.step < cfg.steps and not stop:
+            done = train_step(run, micro_batches(run), interrupt, stop_group)
+            if done is None:  # abandoned at a chunk pass the ranks agreed on
                 stopped = True
                 break
-            all_reduce_gradients(model, dp_group)
-            grad_norm = clip_grad_norm_(params, cfg.grad_clip, tp_group)
-            if distributed:
-                dist.all_reduce(loss_t, group=dp_group)  # each rank's CE sum / the global count
-            loss = float(loss_t)
-            finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank
-            if finite:
-                optimizer.step()
-                bad = 0
-            else:
-                bad += 1
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            step_s = time.perf_counter() - t0
-            step += 1
-            losses.append(loss)
-            row = None  # this step's metrics.jsonl row, if it is logged
-            if rank0 and not finite:
-                print(f"oomb train: step {step}: loss {loss}, gradient norm {grad_norm}: not finite, optimizer step "
-                      f"skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
-                row = logger.log_skipped(step, loss, grad_norm, bad)
-            elif rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
-                row = logger.log(step, loss, sum(batch[0].numel() for batch in micro) * dp_size, step_s,
-                                 float(scheduler.get_last_lr()[0]), grad_norm,  # torchao keeps lr as a tensor
-                                 # the layers whose pages offload put on the host: what a soak run exercised
-                                 {**memory_now(device, engine.pinned_bytes()),
-                                  "host_layers": len(engine.store.host_layers)})
+            bad = 0 if done.finite else bad + 1
+            run.step += 1
+            run.losses.append(done.loss)
+            step = run.step
+            row = log_step(run, logger, done, bad)  # this step's metrics.jsonl row, if it is logged
             if row is not None:
                 hooks.step_end(step, row)
             stop = hooks.agreed(stop_group)
@@ -551,10 +516,10 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hoo
                 raise TrainingStopped(f"{bad} steps in a row had a non-finite loss or gradient norm (steps "
                                       f"{step - bad + 1}-{step}){where}. Lower --lr (now {cfg.lr:g}), check the data "
                                       "of those steps, or raise --max-bad-steps")
-            if held_out and (step % cfg.eval_every == 0 or step == cfg.steps or stop):
+            if run.held_out and (step % cfg.eval_every == 0 or step == cfg.steps or stop):
                 t0 = time.perf_counter()
-                eval_loss, eval_tokens, recall = evaluate(engine, model, held_out, dp_group, device,
-                                                          recall_task(cfg) if cfg.recall_pairs else None)
+                eval_loss, eval_tokens, recall = evaluate(run.engine, run.model, run.held_out, run.dp_group,
+                                                          run.device, recall_task(cfg) if cfg.recall_pairs else None)
                 if rank0:
                     hooks.evaluate(step, logger.log_eval(step, eval_loss, eval_tokens, time.perf_counter() - t0,
                                                          recall))
@@ -562,24 +527,164 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool, hoo
             if cfg.saves and ((cfg.save_every and step % cfg.save_every == 0) or step == cfg.steps or stop):
                 hooks.save(step, save(step))
                 stop = hooks.agreed(stop_group)
-            if len(losses) > 1:  # the run's first step compiles and warms up: not a pass's time
-                passes = cfg.grad_accum * (2 * -(-cfg.seq_len // engine.chunk_size) - 1)  # the step's chunk passes
-                interrupt.check_time(step_s / passes, stop_passes, save_s)
+            if len(run.losses) > 1:  # the run's first step compiles and warms up: not a pass's time
+                passes = cfg.grad_accum * (2 * -(-cfg.seq_len // run.engine.chunk_size) - 1)  # the step's chunk passes
+                interrupt.check_time(done.seconds / passes, stop_passes, run.save_s)
             if interrupt.agreed(stop_group):  # a signal after the step's last chunk pass
                 stopped = True
                 break
     finally:
         interrupt.restore()
-    interrupt.settle()
+    interrupt.settle()  # the flag's last all-reduce, before any process group is destroyed
     if stopped:
-        _stopped_by_signal(interrupt, cfg, step, save, rank0, distributed)
+        _stopped_by_signal(interrupt, cfg, run.step, save, rank0, run.distributed)
+    return finish(run)
+
+
+def micro_batches(run: Run) -> list[tuple[torch.Tensor, ...]]:
+    """The next step's cfg.grad_accum batches (with loss_last, the labels before the last
+    loss_last tokens set to -100), their token ids checked against the model's vocabulary."""
+    cfg = run.cfg
+    micro = [next(run.data) for _ in range(cfg.grad_accum)]
+    if cfg.loss_last:  # a long prompt without loss, then the part that is learnt
+        micro = [(ids, torch.cat([torch.full_like(labels[:, : -cfg.loss_last], -100),
+                                  labels[:, -cfg.loss_last :]], dim=1)) for ids, labels in micro]
+    for input_ids, *_ in micro:
+        if int(input_ids.max()) >= run.vocab:
+            raise ValueError(f"token id {int(input_ids.max())} in the data is >= the model's vocab_size="
+                             f"{run.vocab}; the data was tokenised for another model")
+    return micro
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """A step that ran to its end: the loss (every rank's tokens), the gradient norm before
+    clipping, whether both were finite (else the optimizer step was skipped), its input tokens
+    on every data-parallel rank, and its seconds."""
+    loss: float
+    grad_norm: float
+    finite: bool
+    tokens: int
+    seconds: float
+
+
+def train_step(run: Run, micro: list, interrupt: Interrupt, stop_group) -> StepResult | None:
+    """One optimizer step over the micro-batches `micro`: their gradients summed (over the
+    data-parallel ranks too), clipped, and the optimizer stepped when loss and norm are finite;
+    the schedule steps either way. None: the ranks agreed to stop during it (nothing updated).
+    The first step of a single process whose settings oomb.auto chose is retried one notch
+    smaller when it runs out of GPU memory (retry_smaller); any other out-of-memory is raised."""
+    cfg, optimizer = run.cfg, run.optimizer
+    t0 = time.perf_counter()
+    # One denominator for the whole step: the predicted tokens of every micro-batch on every
+    # data-parallel rank, so the summed gradients are those of one big batch.
+    count = global_token_count(torch.cat([batch[1] for batch in micro]), run.dp_group)  # one all-reduce
+
+    def progress_of(bar):
+        def progress(done: int, total: int) -> None:
+            bar(done, total)
+            if interrupt.agreed(stop_group):  # every rank after the same chunk pass: stop now
+                raise StepAbandoned
+        return progress
+
+    while True:
+        loss_t = torch.zeros((), dtype=torch.float32, device=run.device)
+        try:
+            for m, batch in enumerate(micro):
+                desc = f"step {run.step + 1}" + (f" [{m + 1}/{cfg.grad_accum}]" if cfg.grad_accum > 1 else "")
+                with chunk_progress(desc, enabled=run.rank0) as bar:
+                    loss_t += run.engine.forward_backward(batch[0], batch[1], num_tokens=count,
+                                                          progress=progress_of(bar), **positions(batch)).loss
+            break
+        except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
+            optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+            return None
+        except torch.OutOfMemoryError as e:
+            # The plan was wrong: the run's first step is retried one notch smaller
+            # (a single process: ranks would disagree on where they are).
+            if run.losses or run.choice is None or run.distributed:
+                raise
+            oom = str(e).splitlines()[0][:200]
+        retry_smaller(run, oom)  # out of the except block, whose traceback held the failed step's tensors
+    all_reduce_gradients(run.model, run.dp_group)
+    grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.tp_group)
+    if run.distributed:
+        dist.all_reduce(loss_t, group=run.dp_group)  # each rank's CE sum / the global count
+    loss = float(loss_t)
+    finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank
+    if finite:
+        optimizer.step()
+    run.scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    if run.device.type == "cuda":
+        torch.cuda.synchronize(run.device)
+    return StepResult(loss, grad_norm, finite, tokens=sum(batch[0].numel() for batch in micro) * run.dp_size,
+                      seconds=time.perf_counter() - t0)
+
+
+def retry_smaller(run: Run, oom: str) -> None:
+    """After the first step ran out of GPU memory (`oom`: the error's first line): its gradients
+    dropped, the engine freed and built again with oomb.auto's next smaller setting
+    (replan_after_oom), its pages reserved, and config.yaml rewritten with what the run now runs."""
+    cfg = run.cfg
+    run.optimizer.zero_grad(set_to_none=True)
+    run.engine = None  # the only reference: its pages are freed before the smaller engine takes its own
+    run.choice = replan_after_oom(cfg, run.model, run.device, run.choice, run.optimizer, oom)
+    run.engine = ChunkRecurrentEngine(run.model, run.choice.engine)
+    run.engine.reserve(cfg.batch, cfg.seq_len)
+    if cfg.output_dir:  # a single process (rank 0): the settings it now runs
+        write_resolved(cfg, run.engine, run.device)
+
+
+def log_step(run: Run, logger: StepLogger, done: StepResult, bad: int) -> dict | None:
+    """Rank 0's line and metrics.jsonl row for the step just run (run.step), when it is logged:
+    a skipped step always, the others every log_every steps and the last. Returns the row (for
+    the callbacks) or None."""
+    cfg, step = run.cfg, run.step
+    if run.rank0 and not done.finite:
+        print(f"oomb train: step {step}: loss {done.loss}, gradient norm {done.grad_norm}: not finite, optimizer "
+              f"step skipped ({bad} in a row, the run stops at {cfg.max_bad_steps})", flush=True)
+        return logger.log_skipped(step, done.loss, done.grad_norm, bad)
+    if run.rank0 and (step % cfg.log_every == 0 or step == cfg.steps):
+        return logger.log(step, done.loss, done.tokens, done.seconds,
+                          float(run.scheduler.get_last_lr()[0]), done.grad_norm,  # torchao keeps lr as a tensor
+                          # the layers whose pages offload put on the host: what a soak run exercised
+                          {**memory_now(run.device, run.engine.pinned_bytes()),
+                           "host_layers": len(run.engine.store.host_layers)})
+    return None
+
+
+def save_checkpoint(run: Run, interrupt: Interrupt, step: int) -> str:
+    """The checkpoint of `step` (the last finished), written once: a signal right after a
+    scheduled save reuses it. Its weights are checked first; rank 0 names it and then prunes
+    past save_total_limit. Its time is what Interrupt.check_time counts for a stop's checkpoint."""
+    cfg = run.cfg
+    if step not in run.saved:
+        check_finite_weights(run.model, step, run.losses, cfg)
+        t0 = time.perf_counter()
+        path = checkpoint.save(cfg.output_dir, step, run.model, run.optimizer, run.scheduler, cfg, write=run.rank0)
+        run.saved[step] = str(path)
+        run.save_s = time.perf_counter() - t0
+        interrupt.newest_checkpoint = run.saved[step]
+        if run.rank0:
+            print(f"saved {path}", flush=True)
+        if run.rank0 and cfg.save_total_limit:  # only after the new one is in place and verified
+            for old in checkpoint.prune(cfg.output_dir, cfg.save_total_limit, path):
+                print(f"deleted {old} (--save-total-limit {cfg.save_total_limit})", flush=True)
+    return run.saved[step]
+
+
+def finish(run: Run) -> list[float]:
+    """The end of a run that no signal stopped: the model exported (its weights checked, unless
+    the checkpoint of this step already was), the process group destroyed. Returns the losses."""
+    cfg = run.cfg
     if cfg.saves:
-        if step not in saved:  # save() checked the weights of a step it wrote
-            check_finite_weights(model, step, losses, cfg)
-        path = checkpoint.export(cfg.output_dir, model, cfg.model, write=rank0)
-        if rank0:
+        if run.step not in run.saved:  # save_checkpoint() checked the weights of a step it wrote
+            check_finite_weights(run.model, run.step, run.losses, cfg)
+        path = checkpoint.export(cfg.output_dir, run.model, cfg.model, write=run.rank0)
+        if run.rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
             print(f"exported {path} (load with {how})", flush=True)
-    if distributed:
+    if run.distributed:
         dist.destroy_process_group()
-    return losses
+    return run.losses
