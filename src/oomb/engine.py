@@ -34,7 +34,7 @@ from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shift
 from .memory.device import device_memory
 from .memory.kept import KeptAttention
 from .memory.pinned import available_host_bytes
-from .memory.spec import PageSpec, ScheduledGroups, Selection, staging_bytes
+from .memory.spec import PageSpec, ScheduledGroups, Selection, staging_bytes, window_tail_pages
 from .memory.store import PagedKVStore
 from .models import adapter_for
 from .parallel import local_tensor
@@ -109,9 +109,9 @@ class ChunkRecurrentEngine:
         self._first_pages: list[int] = []  # packed: per chunk, the first page its queries can see
         self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype,
                              config.kv_grad_dtype)
-        pages_per_chunk = chunk_size // page_size
+        pages_per_chunk = config.pages_per_chunk
         # Sliding-window layers keep only the pages of a chunk that a later window can reach.
-        tails = {i: min(pages_per_chunk, -(-(w - 1) // page_size))
+        tails = {i: window_tail_pages(w, page_size, pages_per_chunk)
                  for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
         self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, config.group_pages,
                                   sparse, tails, pages_per_chunk, copy_engines=config.kernels.copy_engines,
@@ -155,7 +155,7 @@ class ChunkRecurrentEngine:
         batch = input_ids.shape[0]
         denominator = count if num_tokens is None else num_tokens
         self.adapter.check_trainable()
-        pages_per_chunk = self.chunk_size // self.page_size
+        pages_per_chunk = self.config.pages_per_chunk
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         rng_states = []
         lead = _HostLead(self.device)
@@ -203,7 +203,7 @@ class ChunkRecurrentEngine:
         so the first step does not pay for it (pinning runs at ~12.8 GB/s on the H200 machine,
         bench/bench_pin.py)."""
         n_chunks = -(-seq_len // self.chunk_size)
-        self._begin_step(batch, (n_chunks - 1) * (self.chunk_size // self.page_size))
+        self._begin_step(batch, (n_chunks - 1) * self.config.pages_per_chunk)
 
     @torch.no_grad()
     def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress=None,
@@ -216,7 +216,7 @@ class ChunkRecurrentEngine:
         changes, what the step computes). position_ids: packed documents, as forward_backward's."""
         input_ids, labels, count, bounds = self._prepare(input_ids, labels, position_ids)
         batch, seq_len = input_ids.shape
-        pages_per_chunk = self.chunk_size // self.page_size
+        pages_per_chunk = self.config.pages_per_chunk
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk, training=False)
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         token_losses = predictions = None
@@ -259,7 +259,7 @@ class ChunkRecurrentEngine:
         newer one a layer behind (its layer i reads the older one's layer-i pages): one chunk's
         attention and MLP run while the other's pages load. Without dropout only: each chunk's
         stage 2 replays its stage-1 RNG, which interleaving would mix."""
-        pages_per_chunk = self.chunk_size // self.page_size
+        pages_per_chunk = self.config.pages_per_chunk
         width = 2 if self._interleave_stage1() else 1
         waiting, active = deque(range(len(bounds) - 1)), deque()
         while waiting or active:
@@ -298,7 +298,7 @@ class ChunkRecurrentEngine:
         before the layer's attention (whose pages may still be loading), and returns what
         _stage1_chunk returns."""
         a = self.adapter
-        first_page = c * (self.chunk_size // self.page_size)
+        first_page = c * self.config.pages_per_chunk
         h = a.embed_tokens(ids)  # (B, C, hidden)
         cos, sin = a.rope(h, start, self._seq_len, self._docs)
         ahead = None  # the next layer's groups, when known before its projections (dense)
@@ -330,7 +330,7 @@ class ChunkRecurrentEngine:
         """Chunk c's recompute and backward (stage 2); `backward`: a context around its backward
         call through the layers (the step's last one: GradSums.finishing)."""
         a = self.adapter
-        pages_per_chunk = self.chunk_size // self.page_size
+        pages_per_chunk = self.config.pages_per_chunk
         first_page = c * pages_per_chunk
 
         ahead = _LookAhead(self, c, first_page)

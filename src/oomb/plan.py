@@ -14,7 +14,7 @@ import torch
 from . import placement
 from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import PageSpec, index_dtype, staged_slots, staging_bytes
+from .memory.spec import PageSpec, index_dtype, staged_slots, staging_bytes, window_tail_pages
 from .models import adapter_class
 from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
@@ -149,7 +149,7 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     # Sliding-window layers keep only the pages of a chunk that a later window reaches (the engine's tails).
     windows = [family.layer_window(config, i) for i in range(n_layers)]
     n_full = sum(1 for w in windows if not w)
-    layer_pages = [stored_pages if not w else (n_chunks - 1) * min(chunk_pages, -(-(w - 1) // page_size))
+    layer_pages = [stored_pages if not w else (n_chunks - 1) * window_tail_pages(w, page_size, chunk_pages)
                    for w in windows]
     tokens = batch * min(chunk_size, seq_len)
     # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,

@@ -57,6 +57,12 @@ class PageSpec:
         return self.kv_bytes + self.grad_bytes
 
 
+def window_tail_pages(window: int, page_size: int, pages_per_chunk: int) -> int:
+    """Pages of each chunk a sliding-window layer keeps: the last ones a later query's window of
+    `window` tokens can reach (the engine's store and the memory plan both count these)."""
+    return min(pages_per_chunk, -(-(window - 1) // page_size))
+
+
 def staged_slots(group_pages: int, max_pages: int) -> int:
     """Pages a host layer's GPU staging buffer holds (memory/offload.py): a group (dense) or a
     selection (sparse), or all of a layer's `max_pages` pages when fewer; at least one."""
