@@ -97,6 +97,10 @@ class Study:
     seed: int = 0
     save_every: int = 50
     stage_eval_every: int = 250
+    # a stage whose last held-out recall (the mean over its distance buckets) is below this does not
+    # hand on: the stages and arms built on it are not started (the budget is not spent on a base that
+    # has not learnt the task)
+    stage_gate: float = 0.9
     eval_every: int = 25
     eval_batches: int = 2
     corpus_bytes: int = 300 * 2**20
@@ -126,7 +130,7 @@ def smoke() -> Study:
     return Study(model="tiny-kv", recall_keys=32, recall_values=32,
                  stages=(Stage(64, 2, 4, 2, 1e-3, 1), Stage(128, 2, 8, 2, 1e-3, 1), Stage(256, 2, 8, 2, 1e-3, 1)),
                  seq_len=1024, chunk_size=256, page_size=64, steps=2, warmup=1, pairs=8, save_every=1,
-                 stage_eval_every=2, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20, edges=(0, 256, 1024),
+                 stage_eval_every=2, stage_gate=0.0, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20, edges=(0, 256, 1024),
                  queries=4, eval_pairs=8, loss_windows=1, device="cpu", backend="torch", budget_divisor=16)
 
 
@@ -396,6 +400,14 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
         for n in [n for n in waiting if BY_NAME[n].extends in failed]:  # its base failed: it cannot start
             waiting.remove(n)
             failed.append(n)
+        for n in [n for n in waiting if _ready(n, work)]:  # built on a stage below the gate: not started
+            base = BY_NAME[n].extends
+            recall = stage_recall(base, work) if BY_NAME[base].is_stage else None
+            if recall is not None and recall < study.stage_gate:
+                waiting.remove(n)
+                failed.append(n)
+                print(f"{elapsed()} {n}: not started: {base}'s held-out recall {recall:.3f} is below the stage "
+                      f"gate {study.stage_gate} (Study.stage_gate)", flush=True)
         late = time.perf_counter() - start >= deadline
         for n in [n for n in waiting if _ready(n, work)]:
             if len(running) >= jobs or late:
@@ -416,6 +428,14 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
 
 def _ordered(names: list[str]) -> list[str]:
     return sorted(names, key=lambda n: (bool(BY_NAME[n].extends), ARMS.index(BY_NAME[n])))
+
+
+def stage_recall(name: str, work: Path) -> float | None:
+    """A trained stage's last held-out recall, the mean over its distance buckets (None: no
+    evaluation row, e.g. a stage taken over from a hand-off)."""
+    path = work / "arms" / name / "metrics.jsonl"
+    rows = [r for r in read_rows(path) if "eval_recall" in r] if path.exists() else []
+    return sum(rows[-1]["eval_recall"].values()) / len(rows[-1]["eval_recall"]) if rows else None
 
 
 def _ready(name: str, work: Path) -> bool:

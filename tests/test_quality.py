@@ -75,3 +75,29 @@ def test_hand_off_and_take_over(tmp_path):
     again = load_model(str(tmp_path / "b" / "arms" / "base-128" / "final"))
     for (name, p), q in zip(model.named_parameters(), again.parameters()):
         assert torch.equal(p.to(torch.bfloat16).float(), q.float()), name
+
+
+def test_a_stage_below_the_gate_starts_nothing_built_on_it(tmp_path, capsys, monkeypatch):
+    """A trained stage whose last held-out recall is below Study.stage_gate: the stage built on it is
+    not started (no process), and is reported with the recall and the gate."""
+    import dataclasses
+    import types
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import quality
+
+    study = dataclasses.replace(quality.smoke(), stage_gate=0.9)
+    base = tmp_path / "work" / "arms" / "base-128"
+    (base / "final").mkdir(parents=True)
+    (base / "final" / "config.json").write_text("{}")
+    rows = [{"step": 2, "eval_loss": 3.0, "eval_recall": {"same chunk": 0.5, "0-1K": 0.3}},
+            {"step": 4, "eval_loss": 2.9, "eval_recall": {"same chunk": 0.95, "0-1K": 0.75}}]
+    (base / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert quality.stage_recall("base-128", tmp_path / "work") == 0.85  # the last row's mean
+    def popen(*args, **kwargs):
+        raise AssertionError(f"started {args}")
+    monkeypatch.setattr(quality, "subprocess", types.SimpleNamespace(Popen=popen))
+    quality.run_study(study, ["base-1k"], tmp_path / "work", tmp_path / "rows.jsonl", jobs=1, deadline=60)
+    out = capsys.readouterr().out
+    assert "base-1k: not started: base-128's held-out recall 0.850 is below the stage gate 0.9" in out
+    assert "not finished: failed ['base-1k']" in out
