@@ -17,6 +17,7 @@ from oomb.train.chat import ChatFormat, ChatRenderer, check_messages, check_tool
 from oomb.data.codec import TokenizerCodec
 from oomb.data.documents import sibling
 from oomb.train.sources import Hub, tokenize
+from test_data_sources import read, write_jsonl
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 CONTROL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -178,15 +179,6 @@ def test_a_template_with_its_own_marks_gives_transformers_assistant_mask(tok_dir
         want = tok.apply_chat_template(messages, chat_template=marked, return_assistant_tokens_mask=True)
         assert ids.tolist() == list(want["input_ids"]) and mask.astype(int).tolist() == list(want["assistant_masks"])
 
-
-def write_jsonl(path, rows):
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
-def read(out):
-    mask = sibling(out, "mask")
-    return np.load(out), np.load(sibling(out, "docs")), np.load(mask) if mask.exists() else None
 
 
 def test_chat_template_file_tools_and_prompt_completion_records(tmp_path, tok_dir, capsys):
