@@ -23,6 +23,39 @@ def test_train_runs_and_loss_falls():
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
 
 
+def test_copy_task_run_ends_with_the_loss_of_each_half(tmp_path, capsys):
+    """A run on the built-in copy task ends with one line: the held-out loss on the copied half
+    and on the random first half (transformers' per-token cross entropy of the exported model on
+    the same held-out batch), beside the unigram entropy (the mean surprisal of many sampled
+    tokens); 3 steps learn no copying, and the line says so."""
+    import re
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from oomb.train.data import copy_entropy, copy_task, copy_weights
+    from oomb.train.trainer import heldout_batches
+
+    cfg = TrainConfig(**SMALL, output_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    train(cfg)
+    assert torch.get_num_threads() == threads  # the tiny model's one thread (cpu_threads) ends with the run
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    got = re.fullmatch(r"copy task \(held out\): loss ([\d.]+) on the copied half vs ([\d.]+) on the random first "
+                       r"half \(unigram entropy ([\d.]+)\): the copy is not learnt yet .*", last)
+    assert got, last
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    ids, _ = heldout_batches(cfg, 256, 0)[0]
+    with torch.no_grad():  # position t predicts token t + 1; the copied half starts at token 128
+        ce = F.cross_entropy(model(input_ids=ids).logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    assert float(got[1]) == pytest.approx(float(ce[:, 127:].mean()), abs=0.006)
+    assert float(got[2]) == pytest.approx(float(ce[:, :127].mean()), abs=0.006)
+    sample = next(copy_task(256, 2**16, 4, seed=5))[0][:, : 2**15]  # the first halves: independent draws
+    p = copy_weights(256) / copy_weights(256).sum()
+    assert float(got[3]) == pytest.approx(float(-p[sample].log().mean()), abs=0.02)
+    assert float(got[3]) == pytest.approx(copy_entropy(256), abs=0.005)
+
+
 def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
@@ -313,7 +346,7 @@ def test_tokenize_then_train(tmp_path, capsys):
     # 3 + EOS, 2 + EOS (the blank line is skipped), 80 + EOS
     assert tokens[:7].tolist() == [2, 3, 4, 0, 7, 8, 0] and tokens[-1] == 0 and len(tokens) == 88
     losses = train(TrainConfig(data=str(out), seq_len=64, chunk_size=32, page_size=16, steps=2, log_every=10))
-    assert len(losses) == 2
+    assert len(losses) == 2 and "copy task" not in capsys.readouterr().out  # the copy task's summary only
     with pytest.raises(SystemExit, match="has no 'body' field; set --text-field"):
         main(["tokenize", str(tmp_path / "a.jsonl"), "--model", str(tmp_path / "ckpt"), "--output", str(out),
               "--text-field", "body"])
@@ -506,7 +539,7 @@ def test_keep_attention_trains_identically(capsys):
     assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg, keep_attention=False))
     capsys.readouterr()
     train(TrainConfig(**{**cfg, "steps": 1}))
-    assert "kept attention (3 of 3 layers, host)" in capsys.readouterr().out  # a CPU model's go to its arena
+    assert "kept attention (1 of 1 layers, host)" in capsys.readouterr().out  # a CPU model's go to its arena
     train(TrainConfig(**{**cfg, "steps": 1, "kept_host_gib": 0.0}))
     assert "kept attention" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="kept_host_gib=-1.0 must be >= 0"):

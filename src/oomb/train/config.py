@@ -42,13 +42,13 @@ class TrainConfig:
     # .mask.npy), windows of the token stream for text
     pack: bool | None = None
     drop_long: bool = False  # documents longer than seq_len are left out (default: cut to seq_len, one warning)
-    seq_len: int = 4096
+    seq_len: int = 1024
     batch: int = 1  # sequences per micro-batch (per data-parallel rank)
     grad_accum: int = 1  # micro-batches per optimizer step (gradients summed, loss normalised over all of them)
-    steps: int = 30
-    lr: float = 3e-3
+    steps: int = 400
+    lr: float = 5e-3
     weight_decay: float = 0.0
-    warmup_steps: int = 4
+    warmup_steps: int = 10
     # after the warm-up: cosine (decay to 10 % of the peak by the last step) | constant (the peak throughout)
     lr_schedule: str = "cosine"
     grad_clip: float = 1.0

@@ -27,7 +27,7 @@ from ..presets import load_model
 from . import checkpoint
 from .checks import check_finite_weights, check_model_fits, resume_note, weight_dtype
 from .config import TrainConfig
-from .data import NeedleMix, load_tokens, make_data, windows
+from .data import NeedleMix, copy_entropy, copy_halves, load_tokens, make_data, windows
 from .documents import data_layout
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
 from .metrics import StepLogger, chunk_progress, memory_now
@@ -339,6 +339,24 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     return float(total[0] / total[1]), int(total[1]), accuracy
 
 
+@torch.no_grad()
+def copy_losses(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list, dp_group,
+                device: torch.device) -> tuple[float, float]:
+    """The copy task's mean loss on the first (random) half and on the copied half of `batches`
+    (and every data-parallel rank's), in eval mode: whether the model retrieves tokens from half
+    a sequence back."""
+    model.eval()
+    try:
+        total = torch.zeros(2, 2, dtype=torch.float64, device=device)  # (half, [CE sum, tokens])
+        for batch in batches:
+            total += torch.stack(copy_halves(engine.evaluate(batch[0], batch[1], per_token=True).token_losses))
+    finally:
+        model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=dp_group)
+    return float(total[0, 0] / total[0, 1]), float(total[1, 0] / total[1, 1])
+
+
 def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]:
     """Run cfg.steps optimizer steps; returns the loss of every step. kernels: the engine's
     KernelOptions (the command line passes KernelOptions.from_env(os.environ)).
@@ -353,11 +371,26 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None) -> list[float]
     mesh = init_distributed(cfg.tp, cfg.process_group_timeout) if distributed else None
     rank0 = not distributed or dist.get_rank() == 0
     cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
+    threads = torch.get_num_threads()
     try:
         return _run(cfg, kernels, mesh, rank0)
     finally:
+        torch.set_num_threads(threads)  # _run may take one (cpu_threads)
         if lock is not None:
             lock.release()
+
+
+#: CPU runs of models up to this hidden size compute on one thread (cpu_threads)
+ONE_THREAD_HIDDEN = 128
+
+
+def cpu_threads(model_config, device: torch.device) -> None:
+    """One intra-op thread for a small model on the CPU, unless OMP_NUM_THREADS says otherwise:
+    its ops are too small for threads to gain (the tiny preset: 20-25K tokens/s on one thread or
+    two), and two threads that wait on each other made the demo's 400 steps take 5 min instead of
+    28 s while other processes held the 2 cores (docs/experiments.md)."""
+    if device.type == "cpu" and model_config.hidden_size <= ONE_THREAD_HIDDEN and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> list[float]:
@@ -369,6 +402,7 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
         else resolve_device("cpu" if distributed else cfg.device)
     check_model_fits(cfg, device, dp_size)
     model = build_model(cfg, device)
+    cpu_threads(model.config, device)
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -574,6 +608,11 @@ def _run(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -> 
         if rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
             print(f"exported {path} (load with {how})", flush=True)
+    if cfg.data == "copy" and not cfg.eval_data:  # the built-in task: was its long-range half learnt?
+        first, copied = copy_losses(engine, model, held_out or heldout_batches(cfg, vocab, dp_rank), dp_group, device)
+        if rank0:
+            logger.log_copy(first, copied, copy_entropy(vocab), cfg.seq_len // 2,
+                            earlier_chunk=engine.chunk_size <= cfg.seq_len // 2)
     if distributed:
         dist.destroy_process_group()
     return losses
