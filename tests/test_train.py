@@ -236,6 +236,39 @@ def test_plan_placement_and_longest_context(capsys):
     assert f"longest context that fits with offload all: {n:,} tokens" in out and "do not fit this machine" in out
 
 
+def test_plan_prints_one_total_per_length(capsys):
+    """`oomb plan` prints, for each length, one table of bytes by kind in two columns (GPU, pinned
+    host memory) and one total row, which is place()'s placement of plan() and the sum of the rows
+    above it; the headroom is a labelled row; the sparse rows and growth only in a sparse plan; one
+    longest-context line."""
+    from oomb.config import EngineConfig
+    from oomb.plan import place, plan
+    from oomb.presets import preset_config
+
+    cfg, gib = preset_config("qwen2.5-7b"), 2**30
+    for sparse in ([], ["--sparse-budget", "64"]):
+        main(["plan", "--seq-len", "64K", "1M", "--chunk-size", "4096", "--kv-grad-dtype", "bfloat16",
+              "--no-checkpoint-layers", "--no-compile", *sparse])
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        totals = [i for i, line in enumerate(lines) if line.startswith("total ")]
+        assert len(totals) == 2 and sum(line.startswith("longest context") for line in lines) == 1, out
+        for n, end in zip((2**16, 2**20), totals):
+            start = max(i for i, line in enumerate(lines[:end]) if line.split() == ["GPU", "host"])
+            rows = [line[len("headroom left free (5 % of the GPU, >= 2 GiB)"):].split("GiB") for line in lines[start + 1 : end]]
+            assert lines[end - 1].startswith("headroom left free (5 % of the GPU, >= 2 GiB)  ")
+            gpu, host = (float(x) for x in lines[end].split()[1::2])
+            assert gpu == pytest.approx(sum(float(r[0]) for r in rows), abs=0.01 * len(rows))
+            assert host == pytest.approx(sum(float(r[1] or 0) for r in rows if len(r) > 2), abs=0.01 * len(rows))
+            engine = EngineConfig(chunk_size=4096, kv_grad_dtype=torch.bfloat16, checkpoint_layers=False,
+                                  sparse=oomb.TopKPages(budget=64) if sparse else None, param_grad_dtype=torch.float32,
+                                  keep_attention=False)
+            fit = place(plan(cfg, n, engine=engine), "auto", int(139.8 * gib), 110 * gib)
+            assert (gpu, host) == (round(fit.gpu / gib, 2), round(fit.host / gib, 2))
+        assert ("sparse" in out) == bool(sparse) and ("grows by" in out) == bool(sparse)
+        assert "planned" not in out  # the auto line names no second GPU figure
+
+
 def test_plan_per_rank_under_tensor_parallelism(capsys):
     """`oomb plan --tp N` is one rank's plan: 1/N of every layer's projections (q, k, v, o and the
     MLP's, biases included), KV pages, kept outputs and LoRA's split factors; embeddings and head

@@ -156,16 +156,16 @@ def cmd_plan(args) -> None:
         grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
         ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
         if choice is not None:
-            print(choice.summary())
+            print(choice.summary(planned=False))
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {engine.chunk_size}, page {args.page_size}, "
               f"bf16 weights, {grads}, {str(engine.kv_grad_dtype).removeprefix('torch.')} dK/dV pages"
               f"{', layers recomputed' if engine.checkpoint_layers else ''}, optimizer {args.optimizer}{ranks}")
-        print(p.table())
-        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
-              f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections"
-              + ("; kept attention outputs fill the room left on the GPU, then go to the host)"
-                 if p.kept_attention else ")"))
-        print(placement(seq_len, engine).summary())
+        fit = placement(seq_len, engine)
+        print(fit.table(p))
+        growth = (f"; with offload all, GPU memory grows by {p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} "
+                  "MB per 10K tokens (the sparse selections)" if sparse is not None else "")
+        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token of context{growth}")
+        print(fit.summary())
     if not args.json:
         def fits(n):
             engine, _ = engine_for(n)
