@@ -115,6 +115,24 @@ def test_cli_user_error_is_one_line(capsys):
     assert "oomb train: error: chunk_size=100 is not a multiple of page_size=64" in str(e.value)
 
 
+def test_cli_warning_is_one_line_without_loading_bars(tmp_path):
+    """`oomb eval` of a checkpoint past the positions it was trained for: the warning is one line
+    (no Python source line under it) and transformers draws no "Loading weights" bar; stderr holds
+    nothing else."""
+    from oomb.presets import load_model
+
+    model = load_model("tiny")
+    model.config.max_position_embeddings = 256
+    model.save_pretrained(tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-m", "oomb.cli", "eval", "--model", str(tmp_path / "ckpt"), "--seq-len",
+                          "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr == ("UserWarning: seq_len=512 exceeds the model's max_position_embeddings=256 and RoPE is not "
+                          "extended: positions past 256 were never seen in training. Extend it with --rope-theta (e.g. "
+                          "8x the base) or --rope-scaling yarn:2\n")
+
+
 def test_cli_plan_json():
     out = subprocess.run([sys.executable, "-m", "oomb.cli", "plan", "--model", "qwen2.5-7b", "--seq-len", "64K",
                           "--chunk-size", "4096", "--kv-grad-dtype", "float32", "--json"],

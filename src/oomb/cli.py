@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -331,6 +332,32 @@ def cmd_tokenize(args) -> None:
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
 
 
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """warnings.formatwarning for oomb's commands: the warning as one line, without the Python
+    source line that raised it (which says nothing to a person running a command)."""
+    text = " ".join(str(message).split())
+    return f"{category.__name__}: {text}\n"
+
+
+@contextlib.contextmanager
+def command_output():
+    """While a command runs, what it prints is its own: warnings in one line, and no transformers
+    progress bars ("Loading weights" under every checkpoint load); both restored after."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    formatwarning, bars = warnings.formatwarning, hf_logging.is_progress_bar_enabled()
+    warnings.formatwarning = one_line_warning
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatwarning
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def main(argv: list[str] | None = None) -> None:
     from .memory.device import ALLOCATOR_SETTINGS
     from .train.config import TrainConfig
@@ -462,7 +489,8 @@ def main(argv: list[str] | None = None) -> None:
     from .train.interrupt import TrainingStopped
 
     try:
-        args.func(args)
+        with command_output():
+            args.func(args)
     except ValueError as e:  # user errors: one clear line, no stack trace
         sys.exit(f"oomb {args.command}: error: {e}")
     except TrainingStopped as e:
