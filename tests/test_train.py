@@ -24,6 +24,39 @@ def test_train_runs_and_loss_falls():
     assert sum(losses[-5:]) / 5 < losses[0] - 0.3, losses
 
 
+def test_copy_task_run_ends_with_the_loss_of_each_half(tmp_path, capsys):
+    """A run on the built-in copy task ends with one line: the held-out loss on the copied half
+    and on the random first half (transformers' per-token cross entropy of the exported model on
+    the same held-out batch), beside the unigram entropy (the mean surprisal of many sampled
+    tokens); 3 steps learn no copying, and the line says so."""
+    import re
+
+    import torch.nn.functional as F
+    from transformers import AutoModelForCausalLM
+
+    from oomb.data.tokens import copy_entropy, copy_task, copy_weights
+    from oomb.train.trainer import heldout_batches
+
+    cfg = TrainConfig(**SMALL, output_dir=str(tmp_path))
+    threads = torch.get_num_threads()
+    train(cfg)
+    assert torch.get_num_threads() == threads  # the tiny model's one thread (cpu_threads) ends with the run
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    got = re.fullmatch(r"copy task \(held out\): loss ([\d.]+) on the copied half vs ([\d.]+) on the random first "
+                       r"half \(unigram entropy ([\d.]+)\): the copy is not learnt yet .*", last)
+    assert got, last
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32).eval()
+    ids, _ = heldout_batches(cfg, 256, 0)[0]
+    with torch.no_grad():  # position t predicts token t + 1; the copied half starts at token 128
+        ce = F.cross_entropy(model(input_ids=ids).logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+    assert float(got[1]) == pytest.approx(float(ce[:, 127:].mean()), abs=0.006)
+    assert float(got[2]) == pytest.approx(float(ce[:, :127].mean()), abs=0.006)
+    sample = next(copy_task(256, 2**16, 4, seed=5))[0][:, : 2**15]  # the first halves: independent draws
+    p = copy_weights(256) / copy_weights(256).sum()
+    assert float(got[3]) == pytest.approx(float(-p[sample].log().mean()), abs=0.02)
+    assert float(got[3]) == pytest.approx(copy_entropy(256), abs=0.005)
+
+
 def test_checkpoint_is_atomic_and_resumes(tmp_path):
     cfg = TrainConfig(**SMALL, output_dir=str(tmp_path), save_every=2, lora_rank=4)
     train(cfg)
@@ -81,6 +114,24 @@ def test_cli_user_error_is_one_line(capsys):
     with pytest.raises(SystemExit) as e:
         main(["train", "--chunk-size", "100", "--page-size", "64", "--steps", "1", "--seq-len", "256"])
     assert "oomb train: error: chunk_size=100 is not a multiple of page_size=64" in str(e.value)
+
+
+def test_cli_warning_is_one_line_without_loading_bars(tmp_path):
+    """`oomb eval` of a checkpoint past the positions it was trained for: the warning is one line
+    (no Python source line under it) and transformers draws no "Loading weights" bar; stderr holds
+    nothing else."""
+    from oomb.presets import load_model
+
+    model = load_model("tiny")
+    model.config.max_position_embeddings = 256
+    model.save_pretrained(tmp_path / "ckpt")
+    out = subprocess.run([sys.executable, "-m", "oomb.cli", "eval", "--model", str(tmp_path / "ckpt"), "--seq-len",
+                          "512", "--batches", "1", "--chunk-size", "128", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stderr == ("UserWarning: seq_len=512 exceeds the model's max_position_embeddings=256 and RoPE is not "
+                          "extended: positions past 256 were never seen in training. Extend it with --rope-theta (e.g. "
+                          "8x the base) or --rope-scaling yarn:2\n")
 
 
 def test_cli_plan_json():
@@ -205,6 +256,39 @@ def test_plan_placement_and_longest_context(capsys):
     assert f"longest context that fits with offload all: {n:,} tokens" in out and "do not fit this machine" in out
 
 
+def test_plan_prints_one_total_per_length(capsys):
+    """`oomb plan` prints, for each length, one table of bytes by kind in two columns (GPU, pinned
+    host memory) and one total row, which is place()'s placement of plan() and the sum of the rows
+    above it; the headroom is a labelled row; the sparse rows and growth only in a sparse plan; one
+    longest-context line."""
+    from oomb.config import EngineConfig
+    from oomb.plan import place, plan
+    from oomb.presets import preset_config
+
+    cfg, gib = preset_config("qwen2.5-7b"), 2**30
+    for sparse in ([], ["--sparse-budget", "64"]):
+        main(["plan", "--seq-len", "64K", "1M", "--chunk-size", "4096", "--kv-grad-dtype", "bfloat16",
+              "--no-checkpoint-layers", "--no-compile", *sparse])
+        out = capsys.readouterr().out
+        lines = out.splitlines()
+        totals = [i for i, line in enumerate(lines) if line.startswith("total ")]
+        assert len(totals) == 2 and sum(line.startswith("longest context") for line in lines) == 1, out
+        for n, end in zip((2**16, 2**20), totals):
+            start = max(i for i, line in enumerate(lines[:end]) if line.split() == ["GPU", "host"])
+            rows = [line[len("headroom left free (5 % of the GPU, >= 2 GiB)"):].split("GiB") for line in lines[start + 1 : end]]
+            assert lines[end - 1].startswith("headroom left free (5 % of the GPU, >= 2 GiB)  ")
+            gpu, host = (float(x) for x in lines[end].split()[1::2])
+            assert gpu == pytest.approx(sum(float(r[0]) for r in rows), abs=0.01 * len(rows))
+            assert host == pytest.approx(sum(float(r[1] or 0) for r in rows if len(r) > 2), abs=0.01 * len(rows))
+            engine = EngineConfig(chunk_size=4096, kv_grad_dtype=torch.bfloat16, checkpoint_layers=False,
+                                  sparse=oomb.TopKPages(budget=64) if sparse else None, param_grad_dtype=torch.float32,
+                                  keep_attention=False)
+            fit = place(plan(cfg, n, engine=engine), "auto", int(139.8 * gib), 110 * gib)
+            assert (gpu, host) == (round(fit.gpu / gib, 2), round(fit.host / gib, 2))
+        assert ("sparse" in out) == bool(sparse) and ("grows by" in out) == bool(sparse)
+        assert "planned" not in out  # the auto line names no second GPU figure
+
+
 def test_plan_per_rank_under_tensor_parallelism(capsys):
     """`oomb plan --tp N` is one rank's plan: 1/N of every layer's projections (q, k, v, o and the
     MLP's, biases included), KV pages, kept outputs and LoRA's split factors; embeddings and head
@@ -316,7 +400,7 @@ def test_tokenize_then_train(tmp_path, capsys):
     # 3 + EOS, 2 + EOS (the blank line is skipped), 80 + EOS
     assert tokens[:7].tolist() == [2, 3, 4, 0, 7, 8, 0] and tokens[-1] == 0 and len(tokens) == 88
     losses = train(TrainConfig(data=str(out), seq_len=64, chunk_size=32, page_size=16, steps=2, log_every=10))
-    assert len(losses) == 2
+    assert len(losses) == 2 and "copy task" not in capsys.readouterr().out  # the copy task's summary only
     with pytest.raises(SystemExit, match="has no 'body' field; set --text-field"):
         main(["tokenize", str(tmp_path / "a.jsonl"), "--model", str(tmp_path / "ckpt"), "--output", str(out),
               "--text-field", "body"])
@@ -511,7 +595,7 @@ def test_keep_attention_trains_identically(capsys):
     assert train(TrainConfig(**cfg, keep_attention=True)) == train(TrainConfig(**cfg, keep_attention=False))
     capsys.readouterr()
     train(TrainConfig(**{**cfg, "steps": 1}))
-    assert "kept attention (3 of 3 layers, host)" in capsys.readouterr().out  # a CPU model's go to its arena
+    assert "kept attention (1 of 1 layers, host)" in capsys.readouterr().out  # a CPU model's go to its arena
     train(TrainConfig(**{**cfg, "steps": 1, "kept_host_gib": 0.0}))
     assert "kept attention" not in capsys.readouterr().out
     with pytest.raises(ValueError, match="kept_host_gib=-1.0 must be >= 0"):

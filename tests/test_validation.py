@@ -245,7 +245,7 @@ def test_non_finite_weights_are_not_saved(tmp_path, monkeypatch):
         model.weight[0, 1] = math.inf
     with pytest.raises(TrainingStopped, match=r"^not saving the weights of step 3: 1 of 2 trainable tensors hold NaN "
                                               r"or infinity \(e.g. weight\); they went non-finite in the update of "
-                                              r"step 2, the last with a finite loss. Lower --lr \(now 0.003\)"):
+                                              r"step 2, the last with a finite loss. Lower --lr \(now 0.005\)"):
         check_finite_weights(model, 3, [1.0, 1.0, math.nan], TrainConfig())
 
     step = torch.optim.AdamW.step
@@ -272,7 +272,7 @@ def test_a_resume_with_another_lr_or_schedule_says_what_it_keeps(tmp_path, capsy
     capsys.readouterr()
     train(TrainConfig(steps=3, lr=5e-2, output_dir=out, resume=f"{out}/step-000002", **SMALL))
     lines = [x for x in capsys.readouterr().out.splitlines() if "--resume" in x]
-    assert lines == [f"oomb train: --resume {out}/step-000002 keeps the checkpoint's lr=0.003 (--lr 0.05 is not "
+    assert lines == [f"oomb train: --resume {out}/step-000002 keeps the checkpoint's lr=0.005 (--lr 0.05 is not "
                      "applied); its schedule follows --steps 3 (was 2) from here"]
     train(TrainConfig(steps=3, output_dir=out, resume=f"{out}/step-000003", **SMALL))
     assert "--resume" not in capsys.readouterr().out  # nothing differs: nothing said

@@ -105,16 +105,19 @@ class Choice:
                 f"layers {'recomputed' if e.checkpoint_layers else 'kept'} in backward"
                 f"{', compiled layers' if e.compile_layers else ''}")
 
-    def summary(self) -> str:
-        """One line: what was chosen and why."""
+    def summary(self, planned: bool = True) -> str:
+        """One line: what was chosen and why; planned: with the memory it plans (oomb plan prints
+        that in its table instead)."""
         how = "chosen" if self.chosen else "given"
-        planned, capacity = self.fit.gpu - gpu_margin(self.fit.gpu_capacity), self.fit.gpu_capacity
-        room = (f"GPU {human_bytes(planned)} of {human_bytes(capacity)}" if self.machine.cuda
-                else f"{human_bytes(planned)} of {human_bytes(capacity)} memory")
+        planned_gpu, capacity = self.fit.gpu - gpu_margin(self.fit.gpu_capacity), self.fit.gpu_capacity
+        room = (f"GPU {human_bytes(planned_gpu)} of {human_bytes(capacity)}" if self.machine.cuda
+                else f"{human_bytes(planned_gpu)} of {human_bytes(capacity)} memory")
         if self.fit.host:
             room += f", host {human_bytes(self.fit.host)} of {human_bytes(self.fit.host_capacity)}"
-        why = f"; the fastest of the {self.fitting} settings that fit, by oomb.auto's cost model" if self.chosen else ""
-        return f"auto configuration: {self.settings()} ({how}: {room} planned{why})"
+        why = f"the fastest of the {self.fitting} settings that fit, by oomb.auto's cost model" if self.chosen else ""
+        if not planned:
+            return f"auto configuration: {self.settings()} ({why or how})"
+        return f"auto configuration: {self.settings()} ({how}: {room} planned{'; ' + why if why else ''})"
 
 
 class NothingFits(ValueError):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -82,16 +83,16 @@ def cmd_plan(args) -> None:
         grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
         ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
         if choice is not None:
-            print(choice.summary())
+            print(choice.summary(planned=False))
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {engine.chunk_size}, page {args.page_size}, "
               f"bf16 weights, {grads}, {str(engine.kv_grad_dtype).removeprefix('torch.')} dK/dV pages"
               f"{', layers recomputed' if engine.checkpoint_layers else ''}, optimizer {args.optimizer}{ranks}")
-        print(p.table())
-        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token; GPU memory with offload all grows by "
-              f"{p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} MB per 10K tokens (sparse selections"
-              + ("; kept attention outputs fill the room left on the GPU, then go to the host)"
-                 if p.kept_attention else ")"))
-        print(placement(seq_len, engine).summary())
+        fit = placement(seq_len, engine)
+        print(fit.table(p))
+        growth = (f"; with offload all, GPU memory grows by {p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} "
+                  "MB per 10K tokens (the sparse selections)" if sparse is not None else "")
+        print(f"pages: {p.bytes_per_token() / 1024:.1f} KiB per token of context{growth}")
+        print(fit.summary())
     if not args.json:
         def fits(n):
             engine, _ = engine_for(n)
@@ -167,6 +168,32 @@ def cmd_tokenize(args) -> None:
         ([f"{n['completions']:,} prompt/completion"] if n["completions"] else [])
     chats = f", {', '.join(kinds)}; {n['trained']:,} tokens trained" if kinds else ""
     print(f"wrote {n['tokens']:,} tokens ({n['documents']:,} documents{chats}) to {', '.join(n['files'])}")
+
+
+def one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """warnings.formatwarning for oomb's commands: the warning as one line, without the Python
+    source line that raised it (which says nothing to a person running a command)."""
+    text = " ".join(str(message).split())
+    return f"{category.__name__}: {text}\n"
+
+
+@contextlib.contextmanager
+def command_output():
+    """While a command runs, what it prints is its own: warnings in one line, and no transformers
+    progress bars ("Loading weights" under every checkpoint load); both restored after."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    formatwarning, bars = warnings.formatwarning, hf_logging.is_progress_bar_enabled()
+    warnings.formatwarning = one_line_warning
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        warnings.formatwarning = formatwarning
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def cmd_export(args) -> None:
@@ -309,7 +336,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
 
     try:
-        args.func(args)
+        with command_output():
+            args.func(args)
     except ValueError as e:  # user errors: one clear line, no stack trace
         sys.exit(f"oomb {args.command}: error: {e}")
     except TrainingStopped as e:

@@ -81,21 +81,6 @@ class MemoryPlan:
     def as_dict(self) -> dict:
         return {**asdict(self), "pages": self.pages, "total": self.total}
 
-    def table(self) -> str:
-        rows = [("weights", self.weights), ("gradients", self.grads), ("optimizer state", self.optimizer),
-                ("K/V pages", self.kv_pages), ("dK/dV pages", self.grad_pages),
-                ("one chunk's activations (est.)", self.chunk_activations),
-                ("one layer's backward (est.)", self.layer_grads),
-                ("logits slice + grad", self.logits_slice),
-                ("head's logit gradients", self.head_logit_grads), ("embedding gradient (transient)", self.embedding_grad)]
-        if self.representatives or self.selections:
-            rows += [("sparse page representatives", self.representatives), ("sparse selections", self.selections)]
-        if self.kept_attention:
-            rows.append(("kept attention outputs", self.kept_attention))
-        rows.append(("total", self.total))
-        width = max(len(r[0]) for r in rows)
-        return "\n".join(f"{name:<{width}}  {n / 2**30:9.2f} GiB" for name, n in rows)
-
 
 def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = None,
          dtype: torch.dtype = torch.bfloat16, trainable_params: int | None = None,
@@ -290,9 +275,46 @@ class Fit:
         return self.gpu <= self.gpu_capacity and self.host <= self.host_capacity
 
     def summary(self) -> str:
+        """The verdict against the machine (the totals are the table's)."""
         verdict = "fits" if self.fits else "does NOT fit"
-        return (f"offload {self.offload}: GPU {human_bytes(self.gpu)} of {human_bytes(self.gpu_capacity)}, "
-                f"host {human_bytes(self.host)} of {human_bytes(self.host_capacity)}: {verdict}")
+        return (f"offload {self.offload}: {verdict} (GPU {human_bytes(self.gpu_capacity)}, "
+                f"host {human_bytes(self.host_capacity)})")
+
+    def table(self, p: MemoryPlan) -> str:
+        """The plan's bytes by kind, each where this placement puts it (GPU, pinned host memory),
+        the headroom left free on the GPU, and one total for each."""
+        d = self.decision
+        full = max(1, p.full_layers)
+        window_kv = p.window_pages * p.kv_pages // max(1, p.pages)  # window pages split as every page is
+
+        def split(n: int, window: int = 0) -> tuple[int, int]:
+            """A page kind's bytes: the window layers' and the device layers' on the GPU, the rest on the host."""
+            host = (n - window) * d.host_layers // full
+            return n - host, host
+        per_kept = p.kept_layer_bytes
+        rows = [("weights", p.weights, 0), ("gradients", p.grads, 0), ("optimizer state", p.optimizer, 0),
+                ("K/V pages", *split(p.kv_pages, window_kv)),
+                ("dK/dV pages", *split(p.grad_pages, p.window_pages - window_kv))]
+        if p.representatives or p.selections:
+            rows += [("sparse page representatives", *split(p.representatives)), ("sparse selections", p.selections, 0)]
+        if d.staging:
+            rows.append(("staging buffers for host pages", d.staging, 0))
+        if p.kept_attention:
+            rows.append(("kept attention outputs", d.kept_gpu * per_kept, d.kept_host * per_kept))
+        rows += [("one chunk's activations (est.)", p.chunk_activations, 0),
+                 ("one layer's backward (est.)", p.layer_grads, 0), ("logits slice + grad", p.logits_slice, 0),
+                 ("head's logit gradients", p.head_logit_grads, 0),
+                 ("embedding gradient (transient)", p.embedding_grad, 0),
+                 (f"headroom left free ({100 * GPU_MARGIN_FRACTION:g} % of the GPU, >= "
+                  f"{GPU_MARGIN_BYTES / 2**30:g} GiB)", gpu_margin(self.gpu_capacity), 0)]
+        width = max(len(r[0]) for r in rows)
+
+        def gib(n: int, blank: bool) -> str:
+            return " " * 13 if blank else f"{n / 2**30:9.2f} GiB"
+        lines = [f"{'':<{width}}  {'GPU':>13}  {'host':>13}"]
+        lines += [f"{name:<{width}}  {gib(gpu, False)}  {gib(host, not host)}".rstrip() for name, gpu, host in rows]
+        lines.append(f"{'total':<{width}}  {gib(self.gpu, False)}  {gib(self.host, False)}")
+        return "\n".join(lines)
 
 
 #: device bytes left free beside everything planned (allocator slack, kernels, CUDA context): at

@@ -15,8 +15,9 @@ from .models.quiet import import_model_code
 from .models.rope import apply_rope
 
 PRESETS = {
-    # byte-level vocabulary, 4 layers: trains on CPU in seconds a step
-    "tiny": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+    # byte-level vocabulary; 2 layers (the fewest an induction head needs), 2 heads: learns oomb train's
+    # default copy task in ~400 CPU steps of 1,024 tokens (docs/experiments.md, the demo's size)
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                  num_key_value_heads=2, vocab_size=256, rope_theta=10000.0),
     # tiny with 32 key and 32 value ids above the bytes: the recall study's CPU smoke test (bench/quality.py)
     "tiny-kv": dict(hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,

@@ -21,10 +21,35 @@ BIN_DTYPES = ("uint16", "uint32", "int32")
 TOKEN_SUFFIXES = (".npy", ".bin")  # oomb tokenize's ids, raw ids (nanoGPT's format)
 
 
+def copy_weights(vocab_size: int) -> torch.Tensor:
+    """The copy task's token distribution (unnormalised): Zipf, exponent 1.1, over every id."""
+    return 1.0 / torch.arange(1, vocab_size + 1, dtype=torch.float64) ** 1.1
+
+
+def copy_entropy(vocab_size: int) -> float:
+    """The unigram entropy of the copy task's tokens (nats): the least loss on the first half,
+    whose tokens are drawn independently, and what the copied half costs until it is retrieved."""
+    p = copy_weights(vocab_size)
+    p = p / p.sum()
+    return float(-(p * p.log()).sum())
+
+
+def copy_halves(token_losses: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token losses (B, T) of copy-task sequences (NaN where nothing is predicted) -> the
+    (loss sum, tokens) of the first half after its first token, and of the copied half, each
+    (2,) float64: the copied half starts at T - T // 2 (copy_task)."""
+    start = token_losses.shape[1] - token_losses.shape[1] // 2
+
+    def total(x: torch.Tensor) -> torch.Tensor:
+        x = x[~x.isnan()].double()
+        return torch.stack([x.sum(), torch.tensor(float(x.numel()), dtype=torch.float64, device=x.device)])
+    return total(token_losses[:, :start]), total(token_losses[:, start:])
+
+
 def copy_task(vocab_size: int, seq_len: int, batch: int, seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Endless (input_ids, labels) batches of the copy task."""
     g = torch.Generator().manual_seed(seed)
-    zipf = 1.0 / torch.arange(1, vocab_size + 1, dtype=torch.float64) ** 1.1
+    zipf = copy_weights(vocab_size)
     half = seq_len // 2
     while True:
         first = torch.multinomial(zipf, batch * (seq_len - half), replacement=True, generator=g)

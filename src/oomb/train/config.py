@@ -71,14 +71,14 @@ class TrainConfig:
                                       ".mask.npy), windows of the token stream for text")
     drop_long: bool = setting(False, "documents longer than seq_len are left out (default: cut to seq_len, one "
                                      "warning)")
-    seq_len: int = setting(4096, "tokens in each sequence, e.g. 4096, 64K or 1M", tokens=True)
+    seq_len: int = setting(1024, "tokens in each sequence, e.g. 4096, 64K or 1M", tokens=True)
     batch: int = setting(1, "sequences per micro-batch (per data-parallel rank)")
     grad_accum: int = setting(1, "micro-batches per optimizer step (gradients summed, the loss normalised over "
                                  "all of them)")
-    steps: int = setting(30, "optimizer steps")
-    lr: float = setting(3e-3, "the peak learning rate")
+    steps: int = setting(400, "optimizer steps")
+    lr: float = setting(5e-3, "the peak learning rate")
     weight_decay: float = setting(0.0, "AdamW's decoupled weight decay (0: none)")
-    warmup_steps: int = setting(4, "steps of linear warm-up to the peak learning rate")
+    warmup_steps: int = setting(10, "steps of linear warm-up to the peak learning rate")
     lr_schedule: str = setting("cosine", "after the warm-up: cosine (decay to 10 % of the peak by the last step) "
                                          "or constant (the peak throughout)", choices=LR_SCHEDULES)
     grad_clip: float = setting(1.0, "the largest gradient norm (0: no clipping, the norm still logged)")

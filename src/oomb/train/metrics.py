@@ -1,6 +1,7 @@
 """Progress: one line per logged step (loss, tokens/s, memory) and per evaluation (held-out
-loss), each also appended as JSON to <output-dir>/metrics.jsonl for plotting; and a bar over
-the chunks of a step while it runs (a 1M-token step takes minutes)."""
+loss), each also appended as JSON to <output-dir>/metrics.jsonl for plotting; the copy task's
+loss on each half at the end of its run; and a bar over the chunks of a step while it runs (a
+1M-token step takes minutes)."""
 from __future__ import annotations
 
 import json
@@ -84,6 +85,17 @@ class StepLogger:
               f"({tokens:,} tokens, {seconds:.1f}s){by}", file=self.stream, flush=True)
         return self._record({"step": step, "eval_loss": loss, "eval_tokens": tokens, "eval_s": round(seconds, 3),
                              **({"eval_recall": recall} if recall else {})})
+
+    def log_copy(self, first: float, copied: float, entropy: float, distance: int,
+                 earlier_chunk: bool = False) -> None:
+        """The copy task's last line: held-out loss on the random first half (its floor: the unigram
+        entropy) against the copied half, which only attention `distance` tokens back predicts."""
+        where = ", in an earlier chunk's pages" if earlier_chunk else ""
+        meaning = (f"the model retrieves each copied token from {distance:,} tokens back{where}"
+                   if copied < entropy / 2 else
+                   "the copy is not learnt yet (its loss is near the unigram entropy): train longer (--steps)")
+        print(f"copy task (held out): loss {copied:.2f} on the copied half vs {first:.2f} on the random first half "
+              f"(unigram entropy {entropy:.2f}): {meaning}", file=self.stream, flush=True)
 
     def _record(self, row: dict) -> dict:
         """Appends `row` to metrics.jsonl; returns it (the callbacks get the same row)."""

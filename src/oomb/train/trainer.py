@@ -23,7 +23,7 @@ from ..config import EngineConfig, KernelOptions
 from ..data.codec import codec_for
 from ..data.documents import data_layout
 from ..data.recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
-from ..data.tokens import load_tokens, windows
+from ..data.tokens import copy_entropy, copy_halves, load_tokens, windows
 from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
 from ..models import adapter_class
 from ..models.float8 import apply_float8
@@ -328,6 +328,24 @@ def evaluate(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list
     return float(total[0] / total[1]), int(total[1]), accuracy
 
 
+@torch.no_grad()
+def copy_losses(engine: ChunkRecurrentEngine, model: torch.nn.Module, batches: list, dp_group,
+                device: torch.device) -> tuple[float, float]:
+    """The copy task's mean loss on the first (random) half and on the copied half of `batches`
+    (and every data-parallel rank's), in eval mode: whether the model retrieves tokens from half
+    a sequence back."""
+    model.eval()
+    try:
+        total = torch.zeros(2, 2, dtype=torch.float64, device=device)  # (half, [CE sum, tokens])
+        for batch in batches:
+            total += torch.stack(copy_halves(engine.evaluate(batch[0], batch[1], per_token=True).token_losses))
+    finally:
+        model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total, group=dp_group)
+    return float(total[0, 0] / total[0, 1]), float(total[1, 0] / total[1, 1])
+
+
 def train(cfg: TrainConfig, kernels: KernelOptions | None = None, callbacks=()) -> list[float]:
     """Run cfg.steps optimizer steps; returns the loss of every step. kernels: the engine's
     KernelOptions (the command line passes KernelOptions.from_env(os.environ)). callbacks: objects
@@ -346,12 +364,27 @@ def train(cfg: TrainConfig, kernels: KernelOptions | None = None, callbacks=()) 
     rank0 = not distributed or dist.get_rank() == 0
     cfg, lock = open_output_dir(cfg, rank0)  # refusals, the lock, --resume latest resolved: before any compute
     hooks = hooks if rank0 else CallbackList()
+    threads = torch.get_num_threads()
     try:
         return train_loop(set_up(cfg, kernels, mesh, rank0), hooks)
     finally:
         hooks.end()
+        torch.set_num_threads(threads)  # set_up may take one (cpu_threads)
         if lock is not None:
             lock.release()
+
+
+#: CPU runs of models up to this hidden size compute on one thread (cpu_threads)
+ONE_THREAD_HIDDEN = 128
+
+
+def cpu_threads(model_config, device: torch.device) -> None:
+    """One intra-op thread for a small model on the CPU, unless OMP_NUM_THREADS says otherwise:
+    its ops are too small for threads to gain (the tiny preset: 20-25K tokens/s on one thread or
+    two), and two threads that wait on each other made the demo's 400 steps take 5 min instead of
+    28 s while other processes held the 2 cores (docs/experiments.md)."""
+    if device.type == "cpu" and model_config.hidden_size <= ONE_THREAD_HIDDEN and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 @dataclasses.dataclass
@@ -392,6 +425,7 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
         else resolve_device("cpu" if distributed else cfg.device)
     check_model_fits(cfg, device, dp_size)
     model = build_model(cfg, device)
+    cpu_threads(model.config, device)
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     params = [p for p in model.parameters() if p.requires_grad]
@@ -538,7 +572,7 @@ def train_loop(run: Run, hooks: CallbackList) -> list[float]:
     interrupt.settle()  # the flag's last all-reduce, before any process group is destroyed
     if stopped:
         _stopped_by_signal(interrupt, cfg, run.step, save, rank0, run.distributed)
-    return finish(run)
+    return finish(run, logger)
 
 
 def micro_batches(run: Run) -> list[tuple[torch.Tensor, ...]]:
@@ -674,7 +708,7 @@ def save_checkpoint(run: Run, interrupt: Interrupt, step: int) -> str:
     return run.saved[step]
 
 
-def finish(run: Run) -> list[float]:
+def finish(run: Run, logger: StepLogger) -> list[float]:
     """The end of a run that no signal stopped: the model exported (its weights checked, unless
     the checkpoint of this step already was), the process group destroyed. Returns the losses."""
     cfg = run.cfg
@@ -685,6 +719,13 @@ def finish(run: Run) -> list[float]:
         if run.rank0:
             how = "PeftModel.from_pretrained(base, path)" if cfg.lora_rank else "AutoModelForCausalLM.from_pretrained"
             print(f"exported {path} (load with {how})", flush=True)
+    if cfg.data == "copy" and not cfg.eval_data:  # the built-in task: was its long-range half learnt?
+        dp_rank = dist.get_rank(run.dp_group) if run.distributed else 0
+        first, copied = copy_losses(run.engine, run.model, run.held_out or heldout_batches(cfg, run.vocab, dp_rank),
+                                    run.dp_group, run.device)
+        if run.rank0:
+            logger.log_copy(first, copied, copy_entropy(run.vocab), cfg.seq_len // 2,
+                            earlier_chunk=run.engine.chunk_size <= cfg.seq_len // 2)
     if run.distributed:
         dist.destroy_process_group()
     return run.losses
