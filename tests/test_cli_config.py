@@ -48,7 +48,7 @@ def test_help_shows_descriptions_and_choices(capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "--backend {torch,triton,auto} attention kernels: triton (CUDA)" in out
     assert "after the warm-up: cosine (decay to 10 % of the peak by the last step)" in out
-    assert "--seq-len SEQ_LEN tokens in each sequence, e.g. 4096, 64K or 1M (default: 4096)" in out
+    assert "--seq-len SEQ_LEN tokens in each sequence, e.g. 4096, 64K or 1M (default: 1024)" in out
 
 
 def write(path, text):
