@@ -70,9 +70,32 @@ class Stage:
     steps: int
     lr: float
     warmup: int
+    seconds: float = float("inf")  # a time box: the stage stops after this long (then the gate decides)
 
 
 STAGES = ("base-128", "base-1k", "base-4k")  # in order; each starts from the one before's final model
+
+
+@dataclass(frozen=True)
+class Design:
+    """An entrant of the race that makes base-128: a model and recipe for 128-token sequences, from
+    scratch. The entrants train at once, each until its held-out recall reaches Study.stage_target
+    or Study.race_seconds pass; the one with the best last recall becomes base-128."""
+
+    name: str
+    model: str
+    lr: float
+    batch: int = 512
+    pairs: int = 12  # recall pairs per sequence
+    seq_len: int = 128
+    warmup: int = 200
+
+
+RACE = (Design("30m-1e-3", "byte-kv-30m", 1e-3), Design("30m-5e-4", "byte-kv-30m", 5e-4),
+        Design("30m-64-1e-3", "byte-kv-30m", 1e-3, batch=1024, pairs=6, seq_len=64),
+        Design("2l-3e-3", "byte-kv-2l", 3e-3), Design("2l-1e-3", "byte-kv-2l", 1e-3),
+        Design("2l-24p-3e-3", "byte-kv-2l", 3e-3, pairs=24), Design("4l-2e-3", "byte-kv-4l", 2e-3),
+        Design("4l-64-2e-3", "byte-kv-4l", 2e-3, batch=1024, pairs=6, seq_len=64))
 
 
 @dataclass
@@ -84,8 +107,15 @@ class Study:
     recall_keys: int = 256
     recall_values: int = 256
     # the curriculum (STAGES), each at a constant learning rate after its warm-up
-    stages: tuple = (Stage(128, 128, 12, 6000, 1e-3, 100), Stage(1024, 16, 96, 3000, 1e-3, 50),
-                     Stage(4096, 4, 256, 1500, 5e-4, 50))
+    # base-128 is the race's winner (RACE) when `race` is not empty, else stages[0] from scratch
+    stages: tuple = (Stage(128, 128, 12, 6000, 1e-3, 100), Stage(1024, 64, 96, 3000, 5e-4, 50, 240),
+                     Stage(4096, 16, 256, 1500, 3e-4, 50, 240))
+    race: tuple = RACE
+    race_seconds: float = 420.0
+    race_steps: int = 100_000  # the race's entrants stop by recall or time, not by steps
+    # a stage or entrant stops early once its held-out recall (the mean over its distance buckets)
+    # reaches this
+    stage_target: float = 0.95
     seq_len: int = 65536  # the arms
     chunk_size: int = 4096
     page_size: int = 128
@@ -115,6 +145,7 @@ class Study:
 
     def __post_init__(self) -> None:
         self.stages = tuple(Stage(**s) if isinstance(s, dict) else s for s in self.stages)  # from a child's JSON
+        self.race = tuple(Design(**d) if isinstance(d, dict) else d for d in self.race)
         if len(self.stages) != len(STAGES):
             raise ValueError(f"{len(self.stages)} stages for the curriculum {STAGES}")
 
@@ -129,6 +160,8 @@ class Study:
 def smoke() -> Study:
     return Study(model="tiny-kv", recall_keys=32, recall_values=32,
                  stages=(Stage(64, 2, 4, 2, 1e-3, 1), Stage(128, 2, 8, 2, 1e-3, 1), Stage(256, 2, 8, 2, 1e-3, 1)),
+                 race=(Design("a", "tiny-kv", 1e-3, batch=2, pairs=4, seq_len=64, warmup=1),
+                       Design("b", "tiny-kv", 3e-3, batch=2, pairs=4, seq_len=64, warmup=1)), race_steps=2,
                  seq_len=1024, chunk_size=256, page_size=64, steps=2, warmup=1, pairs=8, save_every=1,
                  stage_eval_every=2, stage_gate=0.0, eval_every=2, eval_batches=1, corpus_bytes=2 * 2**20, edges=(0, 256, 1024),
                  queries=4, eval_pairs=8, loss_windows=1, device="cpu", backend="torch", budget_divisor=16)
@@ -142,6 +175,7 @@ class Arm:
     dense_layers: str = ""
     seed: int = 0  # added to the study's seed (data order): a replicate
     extra: bool = False  # a replicate: run when named in --arms (or --arms all)
+    design: Design | None = None  # an entrant of the race for base-128
 
     @property
     def attention(self) -> str:
@@ -154,6 +188,8 @@ class Arm:
     @property
     def extends(self) -> str:
         """The arm whose final model this one starts from ('' : from scratch)."""
+        if self.design is not None:
+            return ""
         if self.is_stage:
             i = STAGES.index(self.name)
             return STAGES[i - 1] if i else ""
@@ -180,6 +216,22 @@ ARMS = [
     Arm("topk64-64k-s1", "top-k 64 pages, another data order", budget=64, seed=1, extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
+RACE_PREFIX = "race-"
+
+
+def find_arm(name: str, study: Study) -> Arm:
+    """An arm of ARMS, or an entrant of the study's race (race-<design>)."""
+    if name.startswith(RACE_PREFIX):
+        for d in study.race:
+            if RACE_PREFIX + d.name == name:
+                return Arm(name, f"race entrant: {d.model}, {d.seq_len} x {d.batch}, lr {d.lr}", design=d)
+    if name not in BY_NAME:
+        raise KeyError(name)
+    return BY_NAME[name]
+
+
+def entrants(study: Study) -> list[str]:
+    return [RACE_PREFIX + d.name for d in study.race]
 OTHER_BUDGET = 64  # a dense arm is also read with top-k 64, a top-k one densely
 
 
@@ -203,7 +255,11 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
     from oomb.train.config import TrainConfig
 
     out = work / "arms" / arm.name
-    if arm.is_stage:
+    if arm.design is not None:
+        d = arm.design
+        shape = dict(seq_len=d.seq_len, batch=d.batch, steps=study.race_steps, lr=d.lr, warmup_steps=d.warmup,
+                     lr_schedule="constant", recall_pairs=d.pairs, eval_every=study.stage_eval_every)
+    elif arm.is_stage:
         st = study.stage(arm.name)
         shape = dict(seq_len=st.seq_len, batch=st.batch, steps=st.steps, lr=st.lr, warmup_steps=st.warmup,
                      lr_schedule="constant", recall_pairs=st.pairs, eval_every=study.stage_eval_every)
@@ -211,7 +267,8 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         shape = dict(seq_len=study.seq_len, batch=1, steps=study.steps, lr=study.lr, warmup_steps=study.warmup,
                      recall_pairs=study.pairs, eval_every=study.eval_every)
     return TrainConfig(
-        model=str(work / "arms" / arm.extends / "final") if arm.extends else study.model,
+        model=str(work / "arms" / arm.extends / "final") if arm.extends else (
+            arm.design.model if arm.design is not None else study.model),
         data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"), **shape,
         weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, shape["seq_len"]),
         page_size=study.page_size, sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
@@ -221,10 +278,39 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         device=study.device, backend=study.backend)
 
 
+class StopAt:
+    """oomb.train's callback that ends a stage or race entrant early: once its held-out recall (the
+    mean over the distance buckets) reaches `target`, or `seconds` after it started."""
+
+    def __init__(self, target: float, seconds: float) -> None:
+        self.target, self.seconds, self.start = target, seconds, time.monotonic()
+        self.why = ""
+
+    def on_evaluate(self, step: int, results: dict) -> bool:
+        recall = results.get("eval_recall")
+        if recall and sum(recall.values()) / len(recall) >= self.target:
+            self.why = f"held-out recall {sum(recall.values()) / len(recall):.3f} >= {self.target}"
+        return bool(self.why)
+
+    def on_step_end(self, step: int, metrics: dict) -> bool:
+        if not self.why and time.monotonic() - self.start >= self.seconds:
+            self.why = f"time box of {self.seconds:.0f} s"
+        return bool(self.why)
+
+
+def time_box(arm: Arm, study: Study) -> float:
+    if arm.design is not None:
+        return study.race_seconds
+    return study.stage(arm.name).seconds if arm.is_stage else float("inf")
+
+
 def evaluations(arm: Arm) -> list[tuple[str, int, str]]:
     """(task, top-k budget or 0, dense layers) of every evaluation of an arm's final model:
     kv-recall with the attention the arm trained with and with the other (top-k read densely,
-    dense read with top-k 64), and the held-out loss with its own."""
+    dense read with top-k 64), and the held-out loss with its own; none for a race entrant (the
+    winner is read as base-128)."""
+    if arm.design is not None:
+        return []
     other = 0 if arm.budget else OTHER_BUDGET
     return [("kv-recall", arm.budget, arm.dense_layers), ("kv-recall", other, ""),
             ("loss", arm.budget, arm.dense_layers)]
@@ -299,20 +385,21 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict, ha
     handoff: the final model is also written there (hand_off)."""
     from oomb.train.trainer import train
 
-    arm = BY_NAME[name]
+    arm = find_arm(name, study)
     data = corpus(study, work)
     out = work / "arms" / name
     done = evaluated(name, read_rows(rows_file))
     tag = {"study": STUDY, "arm": name}
     if not (out / "final" / "config.json").exists():
         cfg = train_config(arm, study, work, data)
+        stop = StopAt(study.stage_target, time_box(arm, study)) if arm.is_stage or arm.design else None
         t0 = time.perf_counter()
-        train(cfg)
+        train(cfg, callbacks=[stop] if stop else ())
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         append(rows_file, [{**tag, "kind": "train", **r, **info} for r in steps]
                + [{**tag, "kind": "trained", "train_s": round(time.perf_counter() - t0, 1),
-                   "config": dataclasses.asdict(cfg), **info}])
-    if handoff is not None:
+                   "config": dataclasses.asdict(cfg), "stopped": stop.why if stop else "", **info}])
+    if handoff is not None and arm.design is None:
         hand_off(out / "final", handoff / name)
     todo = [e for e in evaluations(arm) if evaluation_key(arm, *e) not in done]
     if not todo:
@@ -355,9 +442,48 @@ def append(path: Path, rows: list[dict]) -> None:
         os.close(fd)
 
 
-def complete(name: str, rows: list[dict]) -> bool:
-    arm = BY_NAME[name]
+def complete(name: str, rows: list[dict], study: Study) -> bool:
+    arm = find_arm(name, study)
+    if arm.design is not None:
+        return any(r.get("arm") == name and r.get("kind") == "trained" for r in rows)
     return {evaluation_key(arm, *e) for e in evaluations(arm)} <= evaluated(name, rows)
+
+
+def last_recall(path: Path) -> tuple[float, int] | None:
+    """The last held-out recall in a run's metrics.jsonl (the mean over its distance buckets) and
+    its step; None: no evaluation row."""
+    rows = [r for r in read_rows(path) if "eval_recall" in r] if path.exists() else []
+    return (sum(rows[-1]["eval_recall"].values()) / len(rows[-1]["eval_recall"]), rows[-1]["step"]) if rows else None
+
+
+def pick_winner(study: Study, work: Path, results: Path, info: dict) -> str | None:
+    """base-128 from the race: the entrant with the best last held-out recall (the first on a tie)
+    copied to arms/base-128 (its final model and metrics), and a 'trained' row for base-128 naming
+    every entrant's recall. None: no entrant finished."""
+    board = []
+    for name in entrants(study):
+        got = last_recall(work / "arms" / name / "metrics.jsonl")
+        if got is not None and (work / "arms" / name / "final" / "config.json").exists():
+            board.append((name, *got))
+    if not board:
+        return None
+    winner = max(board, key=lambda b: b[1])[0]  # max keeps the first of equals
+    base = work / "arms" / "base-128"
+    tmp = base.with_name(base.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    shutil.copy(work / "arms" / winner / "metrics.jsonl", tmp / "metrics.jsonl")
+    shutil.copytree(work / "arms" / winner / "final", tmp / "final")
+    shutil.rmtree(base, ignore_errors=True)
+    tmp.rename(base)
+    rows = read_rows(results)
+    trained = next(r for r in rows if r.get("arm") == winner and r.get("kind") == "trained")
+    append(results, [{"study": STUDY, "arm": "base-128", "kind": "trained", "winner": winner,
+                      "race": [{"entrant": n, "recall": round(rc, 4), "step": st} for n, rc, st in board],
+                      "train_s": trained["train_s"], "config": trained["config"], **info}])
+    print("race for base-128: " + ", ".join(f"{n} {rc:.3f} at step {st}" for n, rc, st in board)
+          + f"; winner {winner}", flush=True)
+    return winner
 
 
 # -- the study: arms in parallel, dependencies first -----------------------------------------
@@ -374,16 +500,22 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
         if taken:
             print(f"quality study: final models of {', '.join(taken)} taken from {handoff}", flush=True)
     corpus(study, work)  # once, before the arms start
-    todo = [n for n in names if not complete(n, read_rows(results))]
+    todo = [n for n in names if not complete(n, read_rows(results), study)]
     print(f"quality study: {len(names) - len(todo)} of {len(names)} arms already in {results}; running "
           f"{', '.join(todo) or 'none'}", flush=True)
+    race = "base-128" in todo and study.race and not (work / "arms" / "base-128" / "final" / "config.json").exists()
+    if race:  # base-128 is the race's winner: its entrants first
+        todo = [n for n in entrants(study) if not complete(n, read_rows(results), study)] + todo
     start = time.perf_counter()
     if jobs == 0:  # in this process, one after another (the CPU smoke test)
-        for n in _ordered(todo):
+        for n in _ordered(todo, study):
+            if n == "base-128" and race and pick_winner(study, work, results, info) is None:
+                print("quality study: no race entrant finished; base-128 not made", flush=True)
+                return
             run_arm(n, study, work, results, info, handoff)
         return
     running: dict[str, subprocess.Popen] = {}
-    waiting = _ordered(todo)
+    waiting = _ordered(todo, study)
     failed: list[str] = []
     env = {**os.environ, "OOMB_QUALITY": json.dumps({"study": dataclasses.asdict(study), "info": info})}
 
@@ -397,19 +529,25 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
                 if p.returncode:
                     failed.append(n)
                 print(f"{elapsed()} {n}: {'FAILED' if p.returncode else 'done'}", flush=True)
-        for n in [n for n in waiting if BY_NAME[n].extends in failed]:  # its base failed: it cannot start
+        if race and "base-128" in waiting and not any(n.startswith(RACE_PREFIX) for n in [*waiting, *running]):
+            race = False  # every entrant has ended: the best becomes base-128
+            if pick_winner(study, work, results, info) is None:
+                waiting.remove("base-128")
+                failed.append("base-128")
+                print(f"{elapsed()} base-128: no race entrant finished", flush=True)
+        for n in [n for n in waiting if find_arm(n, study).extends in failed]:  # its base failed: it cannot start
             waiting.remove(n)
             failed.append(n)
-        for n in [n for n in waiting if _ready(n, work)]:  # built on a stage below the gate: not started
-            base = BY_NAME[n].extends
-            recall = stage_recall(base, work) if BY_NAME[base].is_stage else None
+        for n in [n for n in waiting if _ready(n, work, study)]:  # built on a stage below the gate: not started
+            base = find_arm(n, study).extends
+            recall = stage_recall(base, work) if base and BY_NAME[base].is_stage else None
             if recall is not None and recall < study.stage_gate:
                 waiting.remove(n)
                 failed.append(n)
                 print(f"{elapsed()} {n}: not started: {base}'s held-out recall {recall:.3f} is below the stage "
                       f"gate {study.stage_gate} (Study.stage_gate)", flush=True)
         late = time.perf_counter() - start >= deadline
-        for n in [n for n in waiting if _ready(n, work)]:
+        for n in [n for n in waiting if _ready(n, work, study) and not (n == "base-128" and race)]:
             if len(running) >= jobs or late:
                 break
             waiting.remove(n)
@@ -426,20 +564,23 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
               flush=True)
 
 
-def _ordered(names: list[str]) -> list[str]:
-    return sorted(names, key=lambda n: (bool(BY_NAME[n].extends), ARMS.index(BY_NAME[n])))
+def _ordered(names: list[str], study: Study) -> list[str]:
+    """Race entrants first, then arms from scratch, then the rest, each in ARMS order."""
+    def key(n: str):
+        arm = find_arm(n, study)
+        return (arm.design is None, bool(arm.extends), ARMS.index(arm) if arm.design is None else 0)
+    return sorted(names, key=key)
 
 
 def stage_recall(name: str, work: Path) -> float | None:
     """A trained stage's last held-out recall, the mean over its distance buckets (None: no
     evaluation row, e.g. a stage taken over from a hand-off)."""
-    path = work / "arms" / name / "metrics.jsonl"
-    rows = [r for r in read_rows(path) if "eval_recall" in r] if path.exists() else []
-    return sum(rows[-1]["eval_recall"].values()) / len(rows[-1]["eval_recall"]) if rows else None
+    got = last_recall(work / "arms" / name / "metrics.jsonl")
+    return got[0] if got else None
 
 
-def _ready(name: str, work: Path) -> bool:
-    base = BY_NAME[name].extends
+def _ready(name: str, work: Path, study: Study) -> bool:
+    base = find_arm(name, study).extends
     return not base or (work / "arms" / base / "final" / "config.json").exists()
 
 

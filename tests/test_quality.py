@@ -15,7 +15,13 @@ def test_quality_study_smoke_and_report(tmp_path):
     subprocess.run(run, check=True, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in results.read_text().splitlines()]
     arms = {"base-128", "base-1k", "base-4k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
-    assert {r["arm"] for r in rows if r["kind"] == "trained"} == arms
+    assert {r["arm"] for r in rows if r["kind"] == "trained"} == arms | {"race-a", "race-b"}
+    # base-128 is the race's winner: the entrant with the best held-out recall, its model copied
+    race = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "base-128")
+    board = {e["entrant"]: e["recall"] for e in race["race"]}
+    assert set(board) == {"race-a", "race-b"} and board[race["winner"]] == max(board.values())
+    assert race["config"]["lr"] == {"race-a": 1e-3, "race-b": 3e-3}[race["winner"]]
+    assert not any(r["kind"] == "eval" and r["arm"].startswith("race-") for r in rows)
     evals = [r for r in rows if r["kind"] == "eval"]
     assert {r["task"] for r in evals} == {"kv-recall", "loss"}
     # each arm read with its own attention and with the other

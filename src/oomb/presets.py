@@ -28,6 +28,12 @@ PRESETS = {
     # byte-lm-30m with 256 key and 256 value ids above the bytes: the associative recall study (data/recall.py)
     "byte-kv-30m": dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=10, num_attention_heads=4,
                         num_key_value_heads=2, vocab_size=768, rope_theta=10000.0, tie_word_embeddings=False),
+    # byte-kv-30m's vocabulary in a small model (hidden 256, head_dim 64, tied embeddings): the recall
+    # study's race (bench/quality.py) asks whether fewer layers discover recall sooner
+    "byte-kv-2l": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=768, rope_theta=10000.0, tie_word_embeddings=True),
+    "byte-kv-4l": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+                       num_key_value_heads=4, vocab_size=768, rope_theta=10000.0, tie_word_embeddings=True),
     "qwen2.5-0.5b": dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                          num_key_value_heads=2, vocab_size=151936, rope_theta=1e6, tie_word_embeddings=True),
     "qwen2.5-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
