@@ -231,6 +231,8 @@ def find_arm(name: str, study: Study) -> Arm:
 
 def entrants(study: Study) -> list[str]:
     return [RACE_PREFIX + d.name for d in study.race]
+
+
 OTHER_BUDGET = 64  # a dense arm is also read with top-k 64, a top-k one densely
 
 
@@ -277,6 +279,11 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         device=study.device, backend=study.backend)
 
 
+def mean_recall(recall: dict) -> float:
+    """A held-out evaluation's recall ({bucket: accuracy}) as one number: the mean over its buckets."""
+    return sum(recall.values()) / len(recall)
+
+
 class StopAt:
     """oomb.train's callback that ends a stage or race entrant early: once its held-out recall (the
     mean over the distance buckets) reaches `target`, or `seconds` after it started."""
@@ -287,8 +294,8 @@ class StopAt:
 
     def on_evaluate(self, step: int, results: dict) -> bool:
         recall = results.get("eval_recall")
-        if recall and sum(recall.values()) / len(recall) >= self.target:
-            self.why = f"held-out recall {sum(recall.values()) / len(recall):.3f} >= {self.target}"
+        if recall and mean_recall(recall) >= self.target:
+            self.why = f"held-out recall {mean_recall(recall):.3f} >= {self.target}"
         return bool(self.why)
 
     def on_step_end(self, step: int, metrics: dict) -> bool:
@@ -391,7 +398,7 @@ def run_arm(name: str, study: Study, work: Path, rows_file: Path, info: dict, ha
     tag = {"study": STUDY, "arm": name}
     if not (out / "final" / "config.json").exists():
         cfg = train_config(arm, study, work, data)
-        stop = StopAt(study.stage_target, time_box(arm, study)) if arm.is_stage or arm.design else None
+        stop = StopAt(study.stage_target, time_box(arm, study)) if arm.is_stage or arm.design is not None else None
         t0 = time.perf_counter()
         train(cfg, callbacks=[stop] if stop else ())
         steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -452,7 +459,7 @@ def last_recall(path: Path) -> tuple[float, int] | None:
     """The last held-out recall in a run's metrics.jsonl (the mean over its distance buckets) and
     its step; None: no evaluation row."""
     rows = [r for r in read_rows(path) if "eval_recall" in r] if path.exists() else []
-    return (sum(rows[-1]["eval_recall"].values()) / len(rows[-1]["eval_recall"]), rows[-1]["step"]) if rows else None
+    return (mean_recall(rows[-1]["eval_recall"]), rows[-1]["step"]) if rows else None
 
 
 def pick_winner(study: Study, work: Path, results: Path, info: dict) -> str | None:

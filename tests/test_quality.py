@@ -107,3 +107,32 @@ def test_a_stage_below_the_gate_starts_nothing_built_on_it(tmp_path, capsys, mon
     out = capsys.readouterr().out
     assert "base-1k: not started: base-128's held-out recall 0.850 is below the stage gate 0.9" in out
     assert "not finished: failed ['base-1k']" in out
+
+
+def test_the_race_makes_base_128_of_the_entrant_with_the_best_last_recall(tmp_path):
+    """pick_winner: the entrant whose last held-out recall (the mean over its buckets) is best, not
+    its best ever, becomes base-128 (its final model and metrics copied), with a row naming them all."""
+    import dataclasses
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import quality
+
+    study = dataclasses.replace(quality.smoke(), race=(quality.Design("a", "tiny-kv", 1e-3),
+                                                       quality.Design("b", "tiny-kv", 3e-3)))
+    work, results = tmp_path / "work", tmp_path / "rows.jsonl"
+    curves = {"race-a": [0.9, 0.4], "race-b": [0.2, 0.7]}  # a's best is higher, b's last is
+    for name, recalls in curves.items():
+        arm = work / "arms" / name
+        (arm / "final").mkdir(parents=True)
+        (arm / "final" / "config.json").write_text(json.dumps({"entrant": name}))
+        rows = [{"step": 10 * (i + 1), "eval_recall": {"same chunk": r, "0-1K": r / 2}} for i, r in enumerate(recalls)]
+        (arm / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        quality.append(results, [{"study": "recall", "arm": name, "kind": "trained", "train_s": 1.0,
+                                  "config": {"lr": {"race-a": 1e-3, "race-b": 3e-3}[name]}}])
+    assert quality.pick_winner(study, work, results, {}) == "race-b"
+    base = work / "arms" / "base-128"
+    assert json.loads((base / "final" / "config.json").read_text()) == {"entrant": "race-b"}
+    assert quality.stage_recall("base-128", work) == (0.7 + 0.35) / 2
+    row = quality.read_rows(results)[-1]
+    assert row["arm"] == "base-128" and row["winner"] == "race-b" and row["config"]["lr"] == 3e-3
+    assert [(e["entrant"], e["recall"], e["step"]) for e in row["race"]] == [("race-a", 0.3, 20), ("race-b", 0.525, 20)]
