@@ -14,7 +14,7 @@ def test_quality_study_smoke_and_report(tmp_path):
     run = [sys.executable, script, "--smoke", "--work", str(tmp_path / "work"), "--results", str(results)]
     subprocess.run(run, check=True, env=env, capture_output=True, text=True)
     rows = [json.loads(line) for line in results.read_text().splitlines()]
-    arms = {"base-128", "base-1k", "base-4k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
+    arms = {"base-128", "base-1k", "base-4k", "base-16k", "dense-64k", "topk64-64k", "topk16-64k", "topk16-d01-64k", "neg-64k"}
     assert {r["arm"] for r in rows if r["kind"] == "trained"} == arms | {"race-a", "race-b"}
     # base-128 is the race's winner: the entrant with the best held-out recall, its model copied
     race = next(r for r in rows if r["kind"] == "trained" and r["arm"] == "base-128")
@@ -33,13 +33,14 @@ def test_quality_study_smoke_and_report(tmp_path):
     assert all(b["queries"] == 4 for b in recall["buckets"]) and recall["hit_rate"]
     config = {r["arm"]: r["config"] for r in rows if r["kind"] == "trained"}
     assert config["base-128"]["rope_theta"] > 10_000 and config["base-128"]["lr_schedule"] == "constant"
-    assert [config[a]["seq_len"] for a in ("base-128", "base-1k", "base-4k", "dense-64k")] == [64, 128, 256, 1024]
+    assert [config[a]["seq_len"] for a in ("base-128", "base-1k", "base-4k", "base-16k", "dense-64k")] == [
+        64, 128, 256, 512, 1024]
     assert config["base-1k"]["model"].endswith("base-128/final") and config["dense-64k"]["model"].endswith(
-        "base-4k/final")
+        "base-16k/final")
     assert any("eval_recall" in r for r in rows if r["kind"] == "train")  # the learning curve
     # resumable: a second run finds every arm done and computes nothing
     again = subprocess.run(run, check=True, env=env, capture_output=True, text=True)
-    assert "8 of 8 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
+    assert "9 of 9 arms already in" in again.stdout and len(results.read_text().splitlines()) == len(rows)
     pilot = {"study": "recall-pilot", "variant": "F", "step": 100, "eval_loss": 1.0, "eval_recall": {"same chunk": 0.1},
              "config": {"start": "from scratch", "seq_len": 128, "batch": 128, "recall_pairs": 12, "recall_keys": 256,
                         "recall_values": 256, "lr": 1e-3}, "commit": "abc1234", "date": "2026-12-04"}
@@ -136,3 +137,22 @@ def test_the_race_makes_base_128_of_the_entrant_with_the_best_last_recall(tmp_pa
     row = quality.read_rows(results)[-1]
     assert row["arm"] == "base-128" and row["winner"] == "race-b" and row["config"]["lr"] == 3e-3
     assert [(e["entrant"], e["recall"], e["step"]) for e in row["race"]] == [("race-a", 0.3, 20), ("race-b", 0.525, 20)]
+
+
+def test_an_arm_whose_configuration_is_refused_stops_the_study_before_anything_starts(tmp_path, monkeypatch):
+    """Every arm's TrainConfig is built before the first one starts: a race entrant with more recall
+    pairs than its sequences hold stops the study with the arm and the reason, no process started."""
+    import dataclasses
+    import types
+
+    import pytest
+
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import quality
+
+    study = dataclasses.replace(quality.smoke(), race=(quality.Design("a", "tiny-kv", 1e-3, pairs=24, seq_len=64),))
+    def popen(*args, **kwargs):
+        raise AssertionError(f"started {args}")
+    monkeypatch.setattr(quality, "subprocess", types.SimpleNamespace(Popen=popen))
+    with pytest.raises(SystemExit, match=r"arm race-a's training configuration is refused: recall_pairs=24"):
+        quality.run_study(study, ["base-128"], tmp_path / "work", tmp_path / "rows.jsonl", jobs=1, deadline=60)

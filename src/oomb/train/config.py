@@ -264,9 +264,6 @@ class TrainConfig:
         if "tensorboard" in tracker_names(self.report_to) and not self.output_dir:
             raise ValueError(f"report_to={self.report_to!r}: tensorboard writes its event files into "
                              "<output_dir>/tensorboard and no output_dir is given; add --output-dir DIR")
-        if "tensorboard" in tracker_names(self.report_to) and not self.output_dir:
-            raise ValueError(f"report_to={self.report_to!r}: tensorboard writes its event files into "
-                             "<output_dir>/tensorboard and no output_dir is given; add --output-dir DIR")
         check_token_suffix(self.data, "--data")
         if self.eval_data:
             check_token_suffix(self.eval_data, "--eval-data")
