@@ -73,12 +73,12 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2,
     return model
 
 
-def llama_with_rope(rope: dict, max_positions: int):
-    """A 2-layer Llama whose RoPE is `rope` (rope_parameters less the base) for `max_positions`."""
+def llama_with_rope(rope: dict, max_positions: int, layers: int = 2):
+    """A Llama of `layers` layers whose RoPE is `rope` (rope_parameters less the base) for `max_positions`."""
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     cfg = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1,
-                      vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=max_positions,
+                      vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=max_positions,
                       rope_parameters={**rope, "rope_theta": 10000.0})
     cfg._attn_implementation = "eager"
     return LlamaForCausalLM(cfg)

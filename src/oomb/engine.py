@@ -119,6 +119,7 @@ class ChunkRecurrentEngine:
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
         self._dense_layers = sparse.dense_set(self.adapter.n_layers) if sparse is not None else frozenset()
+        self._rope_keys = [self.adapter.rope_key(i) for i in range(self.adapter.n_layers)]  # _layer_ropes()
         self._probe: Probe | None = None  # evaluate(probe=...)
         # Measured at the first step (or reserve()) and kept, so every step places its pages
         # alike and the pinned host arenas are reused, not pinned again: the device bytes free
@@ -300,11 +301,11 @@ class ChunkRecurrentEngine:
         a = self.adapter
         first_page = c * self.config.pages_per_chunk
         h = a.embed_tokens(ids)  # (B, C, hidden)
-        cos, sin = a.rope(h, start, self._seq_len, self._docs)
+        ropes = self._layer_ropes(h, start)
         ahead = None  # the next layer's groups, when known before its projections (dense)
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
-            q, k, v, groups = self._project(c, i, layer, h, cos, sin, first_page, prefetch=attend, groups=ahead)
+            q, k, v, groups = self._project(c, i, layer, h, *ropes[i], first_page, prefetch=attend, groups=ahead)
             if self._probe is not None and first_page > 0 and not a.window(i):
                 self._probe(c, i, q, k, self._selection.get((c, i)),
                             functools.partial(self.store.earlier_keys, i, first_page))
@@ -349,21 +350,32 @@ class ChunkRecurrentEngine:
         self.kept.prefetch(c)  # the first layers' kept attention outputs, when they are on the host
         with torch.enable_grad():
             h = a.embed_tokens(ids)
-            cos, sin = a.rope(h, start, self._seq_len, self._docs)
+            ropes = self._layer_ropes(h, start)
             for i, layer in enumerate(a.layers):
                 if self.config.checkpoint_layers:
                     # Keep only the layer's input; its forward runs again (same RNG, same pages)
                     # when its backward starts.
-                    h = checkpoint(lambda x, i=i, layer=layer: layer_step(i, layer, x, cos, sin)[0], h,
+                    h = checkpoint(lambda x, i=i, layer=layer: layer_step(i, layer, x, *ropes[i])[0], h,
                                    use_reentrant=False)
                     continue
-                h, groups = layer_step(i, layer, h, cos, sin)
+                h, groups = layer_step(i, layer, h, *ropes[i])
                 h.register_hook(functools.partial(ahead.backward_starts, groups, i))  # its pages' transfers
             step = slice_tokens(a.vocab_size, ids.shape[0])
             ce_sum, grad_h = head_loss(a.norm, a.lm_head, h.detach(), targets, step, denominator, self._fused_ce)
             with backward():
                 h.backward(grad_h)
         return ce_sum
+
+    def _layer_ropes(self, h: torch.Tensor, start: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's cos, sin for the chunk h (B, C, hidden) at `start`: one adapter.rope() call
+        per distinct RoPE of the layers (adapter.rope_key), shared by the layers that rotate by it;
+        a single call for a model whose layers all rotate alike."""
+        a = self.adapter
+        by_key = {}
+        for key in self._rope_keys:
+            if key not in by_key:
+                by_key[key] = a.rope(h, start, self._seq_len, self._docs, key=key)
+        return [by_key[key] for key in self._rope_keys]
 
     def _known_groups(self, c: int, i: int, n_pages: int) -> ScheduledGroups | None:
         """The groups of earlier pages layer i of chunk c reads, when they are known before its

@@ -8,6 +8,7 @@ transformers' own RoPE functions. One adapter per family, no monkey-patching.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Hashable
 from typing import Callable, ClassVar
 
 import torch
@@ -124,9 +125,22 @@ class DecoderAdapter:
 
     # -- the pieces the engine composes ----------------------------------------------------
 
-    def rope(self, h: torch.Tensor, start: int, seq_len: int, docs=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin for positions start .. start + C - 1 of the chunk h: (B, C, hidden) of a
-        sequence of seq_len tokens.
+    def rope_key(self, layer_idx: int) -> Hashable:
+        """Which of the model's RoPEs layer `layer_idx` rotates by: layers of one key share one cos,
+        sin per chunk, which the engine computes once (rope(..., key=...)). Every layer the same
+        (None) here; a family whose layers rotate differently (e.g. local layers with one base,
+        global layers with another) returns a key per kind of layer and overrides rotary()."""
+        return None
+
+    def rotary(self, h: torch.Tensor, positions: torch.Tensor, key: Hashable = None):
+        """cos, sin of the RoPE `key` (rope_key()) at positions (B, C) of hidden states h: the
+        model's own rotary module, one for every layer here."""
+        return self.rotary_emb(h, positions)
+
+    def rope(self, h: torch.Tensor, start: int, seq_len: int, docs=None,
+             key: Hashable = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of the RoPE `key` (rope_key()) for positions start .. start + C - 1 of the chunk
+        h: (B, C, hidden) of a sequence of seq_len tokens.
 
         Length-dependent RoPE (dynamic NTK scaling, LongRoPE) picks its frequencies from the
         largest position it is given; full-sequence training gives it seq_len - 1, so every
@@ -138,37 +152,40 @@ class DecoderAdapter:
         """
         c = h.shape[1]
         if docs is not None:
-            return self._document_rope(h, docs.positions[:, start : start + c], docs.lengths[:, start : start + c])
+            return self._document_rope(h, docs.positions[:, start : start + c], docs.lengths[:, start : start + c],
+                                       key)
         positions = torch.arange(start, start + c + 1, device=h.device)
         # fill_, not `positions[-1] = x`: that copies x from the host, a sync per chunk
         positions[-1:].fill_(max(seq_len - 1, start + c - 1))
-        cos, sin = self.rotary_emb(h, positions[None])  # (1, C + 1, D)
+        cos, sin = self.rotary(h, positions[None], key)  # (1, C + 1, D)
         return cos[:, :c], sin[:, :c]
 
     @property
     def length_dependent_rope(self) -> bool:
         """Whether the rotary module picks its frequencies from the largest position it is given
-        (transformers' dynamic_rope_update: dynamic NTK, LongRoPE)."""
+        (transformers' dynamic_rope_update: dynamic NTK, LongRoPE). A family with several RoPEs
+        (rope_key()) says whether any of them does: packed documents then rotate every key the
+        length-dependent way (_document_rope), which gives a static one its usual cos, sin."""
         rope_type = getattr(self.rotary_emb, "rope_type", "default")
         return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
 
-    def _document_rope(self, h: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor):
-        """cos, sin (B, C, D) of positions (B, C) in documents of lengths (B, C).
+    def _document_rope(self, h: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, key: Hashable):
+        """cos, sin (B, C, D) of the RoPE `key` at positions (B, C) in documents of lengths (B, C).
 
         Static RoPE: the positions alone. Length-dependent RoPE: each document is rotated as a
         sequence of its own length is (its last position passed, as rope() passes seq_len - 1), one
         call per length in the chunk; dynamic NTK keeps the largest length it has seen, so each
         call first shows it one position, which resets it to the trained frequencies."""
         if not self.length_dependent_rope:
-            return self.rotary_emb(h, positions)  # (B, C, D)
+            return self.rotary(h, positions, key)  # (B, C, D)
         cos = sin = None
         # One host sync per chunk, for these RoPE types only: the lengths decide the calls.
         for n in lengths.unique().tolist():
-            self.rotary_emb(h, positions.new_zeros((1, 1)))
+            self.rotary(h, positions.new_zeros((1, 1)), key)
             # The largest position is n - 1: the other documents' tokens (rows dropped) are clamped.
             last = positions.new_full((positions.shape[0], 1), n - 1)
             shown = torch.cat([positions.clamp(max=n - 1), last], dim=1)  # (B, C + 1)
-            cos_n, sin_n = (x[:, :-1] for x in self.rotary_emb(h, shown))
+            cos_n, sin_n = (x[:, :-1] for x in self.rotary(h, shown, key))
             mine = (lengths == n)[..., None]  # (B, C, 1)
             cos = cos_n if cos is None else torch.where(mine, cos_n, cos)
             sin = sin_n if sin is None else torch.where(mine, sin_n, sin)
