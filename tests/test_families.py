@@ -1,4 +1,4 @@
-"""Mistral, Phi-3, Qwen3-MoE and Mixtral: chunk-recurrent training equals transformers'."""
+"""Mistral, Phi-3, Qwen3-MoE, Mixtral and Gemma 3: chunk-recurrent training equals transformers'."""
 import pytest
 import torch
 from torch import nn
@@ -10,8 +10,10 @@ from test_packing import check_packed, packed_batch
 from tiny_models import VOCAB, full_sequence_grads, make_model, rel_err
 
 # mistral_window: a window of 24 on every layer (< chunk 32: reaches into the chunk before);
-# phi3_longrope: long factors (the sequences pass its 64 original positions) on half of each head
-FAMILIES = ["mistral", "mistral_window", "phi3", "phi3_longrope", "qwen3_moe", "mixtral"]
+# phi3_longrope: long factors (the sequences pass its 64 original positions) on half of each head;
+# gemma3: a local layer (window 24, RoPE base 10) and a global one (base 1e4, linear x8), q/k and
+# sandwich norms, scaled embeddings, attention scale 24**-0.5 (head_dim 16)
+FAMILIES = ["mistral", "mistral_window", "phi3", "phi3_longrope", "qwen3_moe", "mixtral", "gemma3"]
 
 
 def batch(seq_len=150, rows=2, seed=4):
@@ -26,8 +28,9 @@ TOP_K_ALL = {"sparse": oomb.TopKPages(budget=16, block_queries=16)}  # the budge
 
 
 @pytest.mark.parametrize("family,kwargs", [pytest.param(f, {}, id=f"{f}-dense") for f in FAMILIES] + [
-    pytest.param(f, OFFLOAD, id=f"{f}-offload-all") for f in ("mistral_window", "phi3_longrope", "mixtral")] + [
-    pytest.param(f, TOP_K_ALL, id=f"{f}-top-k") for f in ("mistral", "phi3", "qwen3_moe")] + [
+    pytest.param(f, OFFLOAD, id=f"{f}-offload-all")
+    for f in ("mistral_window", "phi3_longrope", "mixtral", "gemma3")] + [
+    pytest.param(f, TOP_K_ALL, id=f"{f}-top-k") for f in ("mistral", "phi3", "qwen3_moe", "gemma3")] + [
     pytest.param("mistral_window", {"chunk_size": 16}, id="mistral_window-chunk-16"),  # window 24 > chunk
 ])
 def test_equals_full_sequence(family, kwargs):
@@ -35,17 +38,20 @@ def test_equals_full_sequence(family, kwargs):
                                                                  "backend": "torch", **kwargs})
 
 
-@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope"])
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "gemma3"])
 def test_triton_equals_full_sequence(family):
-    """The Triton kernels (interpreted on CPU, float32): window masks, partial rotary (the experts'
-    MLP runs outside the kernels, as GPT-OSS's does in tests/test_gpt_oss.py)."""
+    """The Triton kernels (interpreted on CPU, float32): window masks, partial rotary, Gemma 3's
+    attention scale (the experts' MLP runs outside the kernels, as GPT-OSS's does in
+    tests/test_gpt_oss.py)."""
     check_against_full_sequence(make_model(family), *batch(96, rows=1), chunk_size=32, page_size=16,
                                 backend="triton", group_pages=2)
 
 
-@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe", "mixtral", "gemma3",
+                                    "gemma3_dynamic"])
 def test_packed_equals_documents_alone(family):
-    """Each document rotated by its own positions (LongRoPE: by its own length) and windowed within itself."""
+    """Each document rotated by its own positions (LongRoPE, and Gemma 3's global layers under dynamic
+    NTK: by its own length) and windowed within itself."""
     check_packed(make_model(family), *packed_batch(), chunk_size=32, page_size=16, backend="torch")
 
 
@@ -72,7 +78,7 @@ def test_lora_targets():
     (its experts are 3-D parameters; Qwen3-MoE's dense MLP layers are left alike); LoRA gradients
     through oomb equal transformers'."""
     import peft
-    for family in ("mistral", "phi3", "qwen3_moe", "mixtral"):
+    for family in ("mistral", "phi3", "qwen3_moe", "mixtral", "gemma3"):
         model = make_model(family)
         linears = {n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
         if family in ("qwen3_moe", "mixtral"):
@@ -107,10 +113,10 @@ def test_phi3_residual_dropout_recompute_is_consistent():
         assert not torch.equal(dropped[c], plain[c])
 
 
-@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["mistral_window", "phi3_longrope", "qwen3_moe", "gemma3"])
 def test_export_loads_with_from_pretrained(family, tmp_path):
     """A step through oomb, then the export: transformers loads the same weights and config
-    (sliding window, LongRoPE, experts)."""
+    (sliding window, LongRoPE, experts, Gemma 3's layer types and RoPEs)."""
     from transformers import AutoModelForCausalLM
 
     from oomb.train.checkpoint import export
@@ -123,21 +129,24 @@ def test_export_loads_with_from_pretrained(family, tmp_path):
     assert type(loaded) is type(model)
     assert loaded.config.sliding_window == model.config.sliding_window
     assert loaded.config.rope_parameters == model.config.rope_parameters
+    assert getattr(loaded.config, "layer_types", None) == getattr(model.config, "layer_types", None)
     got = dict(loaded.named_parameters())
     assert got.keys() == dict(model.named_parameters()).keys()
     assert all(torch.equal(got[n], p) for n, p in model.named_parameters())
 
 
 def test_tensor_parallel_refused_where_not_split():
-    """Fused q/k/v (Phi-3) and experts are refused by name, by the planner and by the splitter;
-    Mistral's separate projections split as Llama's do."""
+    """Fused q/k/v (Phi-3), experts and Gemma 3's per-head norms (whose weight gradient each rank
+    would hold a share of) are refused by name, by the planner and by the splitter; Mistral's
+    separate projections split as Llama's do."""
     from oomb.parallel import apply_tensor_parallel
     from oomb.plan import plan
 
     class Mesh:
         def size(self):
             return 2
-    for family, reason in (("phi3", "fused qkv_proj"), ("qwen3_moe", "experts"), ("mixtral", "experts")):
+    for family, reason in (("phi3", "fused qkv_proj"), ("qwen3_moe", "experts"), ("mixtral", "experts"),
+                           ("gemma3", "q_norm / k_norm")):
         model = make_model(family)
         name = type(model).__name__
         with pytest.raises(ValueError, match=rf"tp=2: tensor parallelism is not implemented for {name} .*{reason}"):
@@ -172,3 +181,55 @@ def test_rope_scaling_refused_for_phi3():
     config = make_model("phi3").config
     with pytest.raises(ValueError, match=r"Phi3ForCausalLM supports no RoPE scaling"):
         apply_rope(config, scaling="yarn:4")
+
+
+def test_gemma3_windows_its_local_layers_only():
+    """Gemma 3's config.layer_types: its local layers (window 24) keep the 2 pages a chunk their
+    window reaches, on the GPU, its global layers every page (on the host with offload 'all'); the
+    memory plan counts them alike; gradients equal transformers' with 2 layers of each RoPE."""
+    from oomb.plan import plan
+    model = make_model("gemma3", layers=4)  # local, global, local, global
+    ids, labels = batch()
+    ref_loss, ref = full_sequence_grads(model, ids, labels)
+    engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch", offload="all")
+    assert rel_err(engine.forward_backward(ids, labels).loss, ref_loss) <= TOL
+    assert all(rel_err(p.grad, ref[n]) <= TOL for n, p in model.named_parameters())
+    assert engine.store.tail_pages == {0: 2, 2: 2} and engine.store.host.layers == [1, 3]
+    p = plan(model.config, 150, batch=2, chunk_size=32, page_size=16, dtype=torch.float32)
+    page = engine.store.spec.page_bytes
+    assert p.full_layers == 2 and p.window_pages == 2 * 4 * 2 * 2 * page  # layers x chunks x pages x rows
+
+
+@pytest.mark.parametrize("field,value,match", [
+    ("attn_logit_softcapping", 50.0, r"attn_logit_softcapping=50.0: oomb's attention kernels have no soft-capping"),
+    ("final_logit_softcapping", 30.0, r"final_logit_softcapping=30.0: oomb's loss .* no soft-capping; set it to None"),
+    ("use_bidirectional_attention", True, r"use_bidirectional_attention=True: oomb's attention is causal"),
+])
+def test_gemma3_refuses_what_oomb_does_not_compute(field, value, match):
+    model = make_model("gemma3")
+    setattr(model.config, field, value)
+    with pytest.raises(ValueError, match=rf"config.{match}"):
+        oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16)
+
+
+def test_gemma2_refused_for_its_soft_capping():
+    """Gemma 2 soft-caps every attention logit, which the kernels do not compute: refused with that
+    reason (not as an unknown class), by the engine and by the memory plan."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from oomb.plan import plan
+    config = Gemma2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          num_key_value_heads=1, head_dim=16, vocab_size=VOCAB)
+    why = r"Gemma2ForCausalLM is not supported by oomb: Gemma 2 soft-caps its attention logits .* no soft-capping"
+    with pytest.raises(TypeError, match=why):
+        oomb.ChunkRecurrentEngine(Gemma2ForCausalLM(config))
+    with pytest.raises(TypeError, match=why):
+        plan(config, 1024)
+
+
+def test_multimodal_gemma3_refused_naming_the_text_model():
+    from transformers import Gemma3Config
+
+    with pytest.raises(TypeError, match=r"Gemma3ForConditionalGeneration is not supported by oomb: .* vision encoder"
+                                        r".* oomb trains the text model, Gemma3ForCausalLM"):
+        adapter_class(Gemma3Config())

@@ -30,10 +30,16 @@ def packed_batch(layouts=LAYOUTS, seed=1):
 
 
 def reset_rope(model):
-    """Show the rotary module one position: dynamic NTK then forgets the longest sequence it saw,
-    as a freshly loaded model would (a document trained alone)."""
+    """Show the rotary module one position (each of its RoPEs, for a module of one per layer type,
+    as Gemma 3's): dynamic NTK then forgets the longest sequence it saw, as a freshly loaded model
+    would (a document trained alone)."""
     rotary = model.model.rotary_emb
-    rotary(torch.zeros(1, 1, 1), torch.zeros((1, 1), dtype=torch.long))
+    x, position = torch.zeros(1, 1, 1), torch.zeros((1, 1), dtype=torch.long)
+    if isinstance(rotary.rope_type, dict):
+        for layer_type in rotary.rope_type:
+            rotary(x, position, layer_type)
+    else:
+        rotary(x, position)
 
 
 def per_document(model, ids, labels, pos):

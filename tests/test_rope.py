@@ -67,6 +67,11 @@ def test_rope_errors_and_warnings():
         warnings.simplefilter("error")
         check_positions(cfg, 8192, 40_000.0, None)  # extended: no warning
         check_positions(cfg, 4096, None, None)
+    gemma = load_config("gemma-3-4b")  # RoPE per layer type: no flag extends it, none is suggested
+    with pytest.warns(UserWarning, match=r"=131,072 .* RoPE is set per layer type: --rope-theta / --rope-scaling"):
+        check_positions(gemma, 262_144, None, None)
+    with pytest.raises(ValueError, match=r"Gemma3TextConfig has no single rope_parameters dict \(per-layer RoPE\)"):
+        load_config("gemma-3-4b", rope_theta=1e7)
     with pytest.raises(ValueError, match="neither a preset nor a local checkpoint directory; presets: tiny"):
         load_config("no-such-model")
 

@@ -1,9 +1,9 @@
 """Tiny random transformers models of every supported family, for exactness tests."""
 import torch
-from transformers import (GptOssConfig, GptOssForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Phi3Config, Phi3ForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
-                          Qwen3MoeForCausalLM)
+from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, GptOssConfig, GptOssForCausalLM, LlamaConfig,
+                          LlamaForCausalLM, MistralConfig, MistralForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM,
+                          Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB = 97
 
@@ -61,6 +61,22 @@ def make_model(family: str, seed: int = 0, dtype=torch.float32, layers: int = 2,
                             num_local_experts=4, num_experts_per_tok=2, sliding_window=None,
                             tie_word_embeddings=False, **common)
         cls = MixtralForCausalLM
+    elif family in ("gemma3", "gemma3_dynamic"):  # local (window 24) and global layers, each kind with its
+        # RoPE (bases 10 and 1e4: a layer rotated by the other's differs at these lengths; the global one
+        # linear-scaled as the published 4B-27B are, or dynamic NTK past 64 positions); q/k norms, sandwich
+        # norms, scaled embeddings, attention scale 24**-0.5 (not head_dim 16's), tied embeddings
+        if family == "gemma3_dynamic":
+            full = {"rope_type": "dynamic", "factor": 4.0}
+            common["max_position_embeddings"] = 64
+        else:
+            full = {"rope_type": "linear", "factor": 8.0}
+        cfg = Gemma3TextConfig(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+                               head_dim=16, query_pre_attn_scalar=24, sliding_window=24,
+                               layer_types=[("sliding_attention", "full_attention")[i % 2] for i in range(layers)],
+                               rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                                                "full_attention": {**full, "rope_theta": 10000.0}},
+                               tie_word_embeddings=True, **common)
+        cls = Gemma3ForCausalLM
     else:
         raise ValueError(family)
     cfg._attn_implementation = "eager"

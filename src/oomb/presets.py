@@ -5,14 +5,19 @@ measure. A local directory or hub id goes through transformers' `from_pretrained
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, GptOssConfig, MistralConfig, MixtralConfig, Phi3Config,
-                          PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig,
+                          MixtralConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
 
 from .models.quiet import import_model_code
 from .models.rope import apply_rope
+
+# Gemma 3's two RoPEs, by layer type (transformers' rope_parameters of a Gemma3TextConfig)
+GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+               "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
 
 PRESETS = {
     # byte-level vocabulary; 2 layers (the fewest an induction head needs), 2 heads: learns oomb train's
@@ -75,9 +80,21 @@ PRESETS = {
                          num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, vocab_size=32000,
                          rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768, sliding_window=None,
                          tie_word_embeddings=False),
+    # Gemma 3 4B / 12B, the text model (Gemma3ForCausalLM; the published checkpoints add a vision
+    # encoder): 5 sliding-window (1024) layers to each global one, local RoPE base 1e4, global 1e6
+    # linear-scaled by 8, q/k norms, attention scale 256**-0.5, tied embeddings
+    "gemma-3-4b": dict(hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+                       num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256, vocab_size=262208,
+                       sliding_window=1024, max_position_embeddings=131072, rope_parameters=GEMMA3_ROPE,
+                       tie_word_embeddings=True),
+    "gemma-3-12b": dict(hidden_size=3840, intermediate_size=15360, num_hidden_layers=48, num_attention_heads=16,
+                        num_key_value_heads=8, head_dim=256, query_pre_attn_scalar=256, vocab_size=262208,
+                        sliding_window=1024, max_position_embeddings=131072, rope_parameters=GEMMA3_ROPE,
+                        tie_word_embeddings=True),
 }
 _CONFIGS = {"gpt-oss-20b": GptOssConfig, "mistral-7b": MistralConfig, "phi-4-mini": Phi3Config,
-            "phi-3-medium": Phi3Config, "qwen3-30b-a3b": Qwen3MoeConfig, "mixtral-8x7b": MixtralConfig}  # others: Qwen2
+            "phi-3-medium": Phi3Config, "qwen3-30b-a3b": Qwen3MoeConfig, "mixtral-8x7b": MixtralConfig,
+            "gemma-3-4b": Gemma3TextConfig, "gemma-3-12b": Gemma3TextConfig}  # others: Qwen2
 
 
 def preset_config(name: str, **overrides) -> PretrainedConfig:
@@ -89,7 +106,7 @@ def preset_config(name: str, **overrides) -> PretrainedConfig:
     elif config_class is GptOssConfig and "num_hidden_layers" in overrides:  # keep the sliding/full alternation
         overrides["layer_types"] = [("sliding_attention", "full_attention")[i % 2]
                                     for i in range(overrides["num_hidden_layers"])]
-    return config_class(**{**PRESETS[name], **overrides})
+    return config_class(**copy.deepcopy({**PRESETS[name], **overrides}))  # its dicts (RoPE) the config's own
 
 
 def _checkpoint_name(name_or_path: str) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from .base import DecoderAdapter
+from .gemma3 import Gemma3Adapter
 from .gpt_oss import GptOssAdapter
 from .llama import LlamaAdapter
 from .mistral import MistralAdapter
@@ -17,9 +18,25 @@ from .quiet import import_model_code
 ADAPTERS: dict[str, type[DecoderAdapter]] = {
     name: cls
     for cls in (Qwen2Adapter, LlamaAdapter, Qwen3Adapter, GptOssAdapter, MistralAdapter, Phi3Adapter, Qwen3MoeAdapter,
-                MixtralAdapter)
+                MixtralAdapter, Gemma3Adapter)
     for name in cls.model_classes
 }
+
+#: transformers model classes oomb refuses for a reason of their own (not only for want of an adapter)
+REFUSED: dict[str, str] = {
+    "Gemma2ForCausalLM": "Gemma 2 soft-caps its attention logits (tanh, config.attn_logit_softcapping) in every "
+                         "layer, and oomb's attention kernels have no soft-capping, forward or backward. Gemma 3 "
+                         "(Gemma3ForCausalLM), which does not soft-cap, is supported",
+    "Gemma3ForConditionalGeneration": "it is Gemma 3 with its vision encoder (what AutoModelForCausalLM makes of "
+                                      "the 4B-27B checkpoints); oomb trains the text model, Gemma3ForCausalLM",
+}
+
+
+def _unsupported(name: str, hint: str = "") -> TypeError:
+    """The error for a model class without an adapter: REFUSED's reason, or the supported classes."""
+    if name in REFUSED:
+        return TypeError(f"{name} is not supported by oomb: {REFUSED[name]}")
+    return TypeError(f"{name} is not supported by oomb; supported model classes: {', '.join(sorted(ADAPTERS))}{hint}")
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -40,7 +57,7 @@ def adapter_class(config, name: str = "") -> type[DecoderAdapter]:
             mapped = AutoModelForCausalLM._model_mapping.get(type(config), None)
             name = mapped.__name__ if mapped is not None else type(config).__name__
     if name not in ADAPTERS:
-        raise TypeError(f"{name} is not supported by oomb; supported model classes: {', '.join(sorted(ADAPTERS))}")
+        raise _unsupported(name)
     return ADAPTERS[name]
 
 
@@ -50,8 +67,5 @@ def adapter_for(model: nn.Module) -> DecoderAdapter:
     causal_lm = unwrap_peft(model)
     name = type(causal_lm).__name__
     if name not in ADAPTERS:
-        raise TypeError(
-            f"{name} is not supported by oomb; supported model classes: {', '.join(sorted(ADAPTERS))} "
-            "(also when wrapped by PEFT). Load the model with AutoModelForCausalLM."
-        )
+        raise _unsupported(name, " (also when wrapped by PEFT). Load the model with AutoModelForCausalLM.")
     return ADAPTERS[name](causal_lm)

@@ -165,9 +165,11 @@ class DecoderAdapter:
         """Whether the rotary module picks its frequencies from the largest position it is given
         (transformers' dynamic_rope_update: dynamic NTK, LongRoPE). A family with several RoPEs
         (rope_key()) says whether any of them does: packed documents then rotate every key the
-        length-dependent way (_document_rope), which gives a static one its usual cos, sin."""
+        length-dependent way (_document_rope), which gives a static one its usual cos, sin. A rotary
+        module of several RoPEs (Gemma 3's) holds their types in a dict by layer type."""
         rope_type = getattr(self.rotary_emb, "rope_type", "default")
-        return isinstance(rope_type, str) and ("dynamic" in rope_type or rope_type == "longrope")
+        types = rope_type.values() if isinstance(rope_type, dict) else (rope_type,)
+        return any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in types)
 
     def _document_rope(self, h: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, key: Hashable):
         """cos, sin (B, C, D) of the RoPE `key` at positions (B, C) in documents of lengths (B, C).

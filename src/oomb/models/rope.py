@@ -95,8 +95,11 @@ def apply_rope(config, theta: float | None = None, scaling: str | None = None, f
 def check_positions(config, seq_len: int, theta: float | None, scaling: str | None) -> None:
     """Warn when seq_len is past the positions the model was trained for and nothing extends RoPE."""
     limit = getattr(config, "max_position_embeddings", None)
-    rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-    if limit and seq_len > limit and rope_type == "default" and theta is None and not scaling:
+    params = getattr(config, "rope_parameters", None) or {}
+    per_layer = any(isinstance(v, dict) for v in params.values())  # Gemma 3's, by layer type
+    if limit and seq_len > limit and (per_layer or params.get("rope_type", "default") == "default") \
+            and theta is None and not scaling:
+        fix = ("Its RoPE is set per layer type: --rope-theta / --rope-scaling do not extend it" if per_layer
+               else f"Extend it with --rope-theta (e.g. 8x the base) or --rope-scaling yarn:{-(-seq_len // limit)}")
         warnings.warn(f"seq_len={seq_len:,} exceeds the model's max_position_embeddings={limit:,} and RoPE is not "
-                      f"extended: positions past {limit:,} were never seen in training. Extend it with --rope-theta "
-                      f"(e.g. 8x the base) or --rope-scaling yarn:{-(-seq_len // limit)}", stacklevel=2)
+                      f"extended: positions past {limit:,} were never seen in training. {fix}", stacklevel=2)
