@@ -112,9 +112,9 @@ def test_gpu_memory_is_checked_before_the_step(model, monkeypatch):
     compute, with the need, what is free and the fix (the check, on a CPU model made to look like
     a CUDA one)."""
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch")
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))
-    monkeypatch.setattr(engine, "_free_gpu_bytes", lambda: 2**20)
+    monkeypatch.setattr(engine.memory, "device", torch.device("cuda"))
+    monkeypatch.setattr(engine.memory, "free_gpu_bytes", lambda: 2**20)
     # 2 layers x 4 KiB a page x 1,023 pages (16,368 earlier tokens) = 8.0 MiB
     with pytest.raises(ValueError, match=r"the pages of this step need 8.0 MiB more GPU memory, 1.0 MiB is free; "
                                          r"use offload='auto' or offload='all'"):
-        engine._check_memory(1, 1023, 0)
+        engine.memory.check(engine.config, 1, 1023, 0)

@@ -81,8 +81,8 @@ def test_shorter_step_keeps_the_pinned_arena():
 
 
 def test_host_memory_is_checked_before_the_step(monkeypatch):
-    import oomb.engine
-    monkeypatch.setattr(oomb.engine, "available_host_bytes", lambda: 4 * 2**20)
+    import oomb.memory.step
+    monkeypatch.setattr(oomb.memory.step, "available_host_bytes", lambda: 4 * 2**20)
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", group_pages=128)
     # 2 layers x 4 KiB a page (K, V, dK, dV fp32: 1 KV head x 16 tokens x 16 dims) / 16 tokens
@@ -107,17 +107,17 @@ def test_auto_budget_counts_what_is_still_to_come(monkeypatch):
     model = make_model("qwen2", layers=2)
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="auto", reserved_gpu_bytes=1000)
     free = 10 * 2**30
-    monkeypatch.setattr(engine, "_free_gpu_bytes", lambda: free)
+    monkeypatch.setattr(engine.memory, "free_gpu_bytes", lambda: free)
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
-    fixed = engine._headroom() + grads + 1000  # what the room is without those two
+    fixed = engine.memory.headroom(engine.config) + grads + 1000  # what the room is without those two
     model.zero_grad(set_to_none=True)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)  # now allocated: no longer subtracted
-    assert engine._headroom() == fixed - 1000
+    assert engine.memory.headroom(engine.config) == fixed - 1000
     assert 0 < free - fixed <= GPU_MARGIN_BYTES + 2**30  # margin and working set only
     rooms = iter([123, 456])
-    monkeypatch.setattr(engine, "_headroom", lambda: next(rooms))
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # the room is a CUDA matter
+    monkeypatch.setattr(engine.memory, "headroom", lambda cfg: next(rooms))
+    monkeypatch.setattr(engine.memory, "device", torch.device("cuda"))  # the room is a CUDA matter
     first, later = engine.placement_input(1, 64), engine.placement_input(1, 64)
     assert first.gpu_room == later.gpu_room == 123  # the first step's, kept
     layer = 64 * engine.store.layer_page_bytes

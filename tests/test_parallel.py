@@ -40,8 +40,8 @@ def _worker(rank, world, port, mode, out):
         ids, labels = ids[rank : rank + 1], labels[rank : rank + 1]
     engine = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch",
                                        compile_layers=mode == "tp_compile")
-    engine._free_gpu_bytes = lambda: 2**40  # what 'auto' would see free on a GPU
-    headroom = engine._headroom()  # before the step: every parameter's gradient is still to come
+    engine.memory.free_gpu_bytes = lambda: 2**40  # what 'auto' would see free on a GPU
+    headroom = engine.memory.headroom(engine.config)  # before the step: every parameter's gradient is still to come
     count = global_token_count(labels, mesh["dp"].get_group())
     result = engine.forward_backward(ids, labels, num_tokens=count)
     loss = result.loss.clone()

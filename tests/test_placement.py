@@ -83,8 +83,8 @@ def test_engine_and_plan_place_a_step_alike(monkeypatch, sparse, room_layers):
     layer = batch * max_pages * engine.store.layer_page_bytes
     staging = engine.placement_input(batch, max_pages).staging_bytes
     room = staging + int(room_layers * layer)
-    monkeypatch.setattr(engine, "device", torch.device("cuda"))  # decides as on a GPU with this room
-    monkeypatch.setattr(engine, "_headroom", lambda: room)
+    monkeypatch.setattr(engine.memory, "device", torch.device("cuda"))  # decides as on a GPU with this room
+    monkeypatch.setattr(engine.memory, "headroom", lambda cfg: room)
     mine = place(engine.placement_input(batch, max_pages))
     p = plan(model.config, seq_len, batch=batch, engine=config, dtype=torch.float32)
     beside = p.weights + p.grads + p.optimizer + p.working_set + p.selections + GPU_MARGIN_BYTES

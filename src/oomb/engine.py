@@ -11,11 +11,13 @@
 Every term of the full-sequence gradient is computed once, so gradients equal ordinary
 training up to rounding. Only one chunk's activations are alive at any time. The last chunk
 needs no stage 1: nothing after it reads its pages.
+
+The step's memory is sized, measured and checked in memory/step.py (placed by placement.py), and
+its page transfers and the host thread's lead over the GPU are timed in memory/schedule.py.
 """
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from collections import deque
 from collections.abc import Callable
@@ -29,20 +31,15 @@ from torch.utils.checkpoint import checkpoint
 from .attention import attention_with_lse, paged_attention, resolve_backend
 from .attention.documents import Documents, check_positions, documents
 from .config import EngineConfig
-from .grad_sums import GradSums
+from .grad_sums import GradSums, summed_params
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
-from .memory.device import device_memory
 from .memory.kept import KeptAttention
-from .memory.pinned import available_host_bytes
-from .memory.spec import PageSpec, ScheduledGroups, Selection, staging_bytes, window_tail_pages
+from .memory.schedule import HostLead, LookAhead
+from .memory.spec import PageSpec, ScheduledGroups, Selection, window_tail_pages
+from .memory.step import StepMemory
 from .memory.store import PagedKVStore
 from .models import adapter_for
-from .parallel import local_tensor
-from .placement import PlacementInput, human_bytes, place
-from .plan import gpu_margin, kept_attention_bytes, plan
-
-HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
-HOST_LEAD_CHUNKS = 2  # chunk passes the host queues ahead of the GPU (_HostLead)
+from .placement import PlacementInput, place
 
 
 @dataclass
@@ -121,11 +118,9 @@ class ChunkRecurrentEngine:
         self._dense_layers = sparse.dense_set(self.adapter.n_layers) if sparse is not None else frozenset()
         self._rope_keys = [self.adapter.rope_key(i) for i in range(self.adapter.n_layers)]  # _layer_ropes()
         self._probe: Probe | None = None  # evaluate(probe=...)
-        # Measured at the first step (or reserve()) and kept, so every step places its pages
-        # alike and the pinned host arenas are reused, not pinned again: the device bytes free
-        # for pages and kept outputs, and the host bytes kept outputs may pin.
-        self._gpu_room: int | None = None
-        self._kept_host_budget: int | None = None
+        # The steps' sizes, the memory measured for them at the first step, and the check
+        # before each (memory/step.py)
+        self.memory = StepMemory(model, self.adapter, self.store, self.kept, self.device)
 
     # -- the step -----------------------------------------------------------------------------
 
@@ -159,7 +154,7 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.config.pages_per_chunk
         self._begin_step(batch, (len(bounds) - 1) * pages_per_chunk)
         rng_states = []
-        lead = _HostLead(self.device)
+        lead = HostLead(self.device)
         passes = _Passes(progress, 2 * len(bounds) - 1)
         sums = GradSums(self.summed_params(), self.config.param_grad_dtype)
         try:
@@ -188,16 +183,11 @@ class ChunkRecurrentEngine:
 
     def pinned_bytes(self) -> int:
         """Pinned host memory this engine holds: the host pages' arena and kept attention outputs."""
-        host = self.store.host
-        return host.host_bytes(host.batch, host.max_pages) + self.kept.arena_bytes
+        return self.memory.pinned_bytes()
 
     def summed_params(self) -> list[nn.Parameter]:
         """The trainable parameters whose chunk gradients are summed in param_grad_dtype."""
-        wide = self.config.param_grad_dtype
-        if wide is None:
-            return []
-        return [p for p in self.model.parameters()
-                if p.requires_grad and torch.finfo(p.dtype).bits < torch.finfo(wide).bits]
+        return summed_params(self.model, self.config.param_grad_dtype)
 
     def reserve(self, batch: int, seq_len: int) -> None:
         """Allocate the page pool (and pinned host arena) for steps up to (batch, seq_len) now,
@@ -224,7 +214,7 @@ class ChunkRecurrentEngine:
         if per_token:
             token_losses = torch.full((batch, seq_len), float("nan"), dtype=torch.float32, device=self.device)
             predictions = torch.full((batch, seq_len), -1, dtype=torch.long, device=self.device)
-        lead = _HostLead(self.device)
+        lead = HostLead(self.device)
         passes = _Passes(progress, len(bounds))
         self._probe = probe
         try:
@@ -250,7 +240,7 @@ class ChunkRecurrentEngine:
             self.store.free_all()
         return StepResult(loss=total / count, num_tokens=count, token_losses=token_losses, predictions=predictions)
 
-    def _stage1(self, input_ids: torch.Tensor, bounds: list, rng_states: list, lead: "_HostLead",
+    def _stage1(self, input_ids: torch.Tensor, bounds: list, rng_states: list, lead: HostLead,
                 passes: "_Passes") -> None:
         """Stage 1 of chunks 0 .. n-2, appending each one's RNG state at its start.
 
@@ -334,7 +324,8 @@ class ChunkRecurrentEngine:
         pages_per_chunk = self.config.pages_per_chunk
         first_page = c * pages_per_chunk
 
-        ahead = _LookAhead(self, c, first_page)
+        ahead = LookAhead(c, functools.partial(self._known_groups, c, n_pages=first_page), a, self.kept,
+                          self.config.checkpoint_layers)
 
         def layer_step(i, layer, h, cos, sin):
             known = self.kept.get(c, i)
@@ -428,147 +419,32 @@ class ChunkRecurrentEngine:
     # -- placement: the step's sizes and measured memory, decided by placement.place() --------
 
     def _begin_step(self, batch: int, max_pages: int, training: bool = True) -> None:
+        """Place a step's pages and kept attention outputs, refuse it when the memory cannot hold
+        them, and size the store for it."""
         self._selection.clear()  # the last step's sparse selections (kept until now for inspection)
+        cfg, memory = self.config, self.memory
         x = self.placement_input(batch, max_pages, training)
         decision = place(x)
         full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
         self.store.place(full[decision.device_layers:])
-        kept = self._kept_order(training, max_pages)[: decision.kept]
-        self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // self.config.pages_per_chunk,
-                             (batch, self._query_heads, self.chunk_size, self.adapter.head_dim), self.spec.dtype)
-        if x.kept_host_budget is not None and self.config.kept_host_bytes is None:
-            self._kept_host_budget = x.kept_host_budget  # the first step's, kept
-        self._check_memory(batch, max_pages, decision.host_layers * x.layer_bytes)
+        kept = memory.kept_order(cfg, training, max_pages)[: decision.kept]
+        self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // cfg.pages_per_chunk,
+                             (batch, memory.query_heads, self.chunk_size, self.adapter.head_dim), self.spec.dtype)
+        if x.kept_host_budget is not None and cfg.kept_host_bytes is None:
+            memory.kept_host_budget = x.kept_host_budget  # the first step's, kept
+        memory.check(cfg, batch, max_pages, decision.host_layers * x.layer_bytes)
         self.store.begin_step(batch, max_pages)
 
     def placement_input(self, batch: int, max_pages: int, training: bool = True) -> PlacementInput:
         """This engine's step of `batch` sequences and `max_pages` stored pages, as numbers for
         placement.place(): its sizes, and on a GPU the room measured at the first step."""
-        cfg, a, store = self.config, self.adapter, self.store
-        n_chunks = max_pages // cfg.pages_per_chunk
-        cuda = self.device.type == "cuda"
-        if cuda and self._gpu_room is None:
-            self._gpu_room = self._headroom()
-        kept = self._kept_order(training, max_pages)
-        entry = KeptAttention.entry_bytes(batch, cfg.chunk_size, self._query_heads, a.head_dim,
-                                          self.spec.dtype.itemsize)
-        windows = sum(store.kept(i, cfg.pages_per_chunk) for i in store.tail_pages)
-        pages = PlacementInput(
-            offload=cfg.offload, full_layers=a.n_layers - len(store.tail_pages),
-            layer_bytes=batch * max_pages * store.layer_page_bytes,
-            window_bytes=batch * n_chunks * windows * self.spec.page_bytes,
-            staging_bytes=staging_bytes(store.staged_pages, max_pages, batch, self.spec.page_bytes,
-                                        store.host.rep_bytes),
-            gpu_room=self._gpu_room if cuda else None, page_budget=cfg.gpu_page_budget_bytes,
-            held_bytes=store.pool.n_slots * self.spec.page_bytes if cuda else 0)
-        if not kept:
-            return pages
-        budget = cfg.kept_host_bytes if cfg.kept_host_bytes is not None else self._kept_host_budget
-        if budget is None:  # half of what is free besides this step's host pages (and the margin)
-            budget = self._free_host_budget(place(pages).host_bytes)
-        return dataclasses.replace(
-            pages, kept_layers=len(kept), kept_gpu_bytes=self._attention_bytes(batch, max_pages, 1) if cuda else 0,
-            kept_host_bytes=KeptAttention.host_bytes(n_chunks, entry), kept_host_budget=budget,
-            keep_all=cfg.keep_attention is True)
-
-    def _kept_order(self, training: bool, max_pages: int) -> list[int]:
-        """The layers whose stage-1 attention outputs a step may keep, in order of preference:
-        every layer but the last (stage 1 stops at its K/V), full-attention layers first (a
-        window's attention is cheap to recompute); none when evaluating or keep_attention=False."""
-        a = self.adapter
-        if not training or self.config.keep_attention is False or max_pages < self.config.pages_per_chunk:
-            return []
-        return sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
+        return self.memory.placement_input(self.config, batch, max_pages, training)
 
     @property
     def keeps_attention(self) -> bool:
         """Whether this step keeps stage 1's attention outputs (of kept.layers; kept.host_layers'
         on the host)."""
         return bool(self.kept.layers)
-
-    def _free_host_budget(self, host_pages: int) -> int:
-        """Host bytes kept attention outputs may pin by default: half of what is free besides the
-        step's `host_pages` less a margin, shared among the processes of this machine."""
-        free = max(0, available_host_bytes() + self.pinned_bytes() - host_pages - HOST_MARGIN_BYTES)
-        return free // (2 * self.config.local_world_size)
-
-    def _headroom(self) -> int:
-        """Device bytes free for pages (and kept attention) now: free memory and this engine's own
-        pool, less one chunk's working set, what is still to come (parameter gradients not
-        allocated yet, `reserved_gpu_bytes`) and a margin (plan.gpu_margin(): 5 % of the device, at
-        least 2 GiB)."""
-        a, cfg = self.adapter, self.config
-        reusable = self.store.pool.n_slots * self.spec.page_bytes  # this engine's own pool
-        trainable = None if a.embed_tokens.weight.requires_grad else 0
-        working_set = plan(a.config, cfg.chunk_size, engine=cfg, dtype=self.spec.dtype, trainable_params=trainable,
-                           tp=a.n_kv_heads // a.local_kv_heads,
-                           n_params=sum(local_tensor(p).numel() for p in self.model.parameters())).working_set
-        summed = set(self.summed_params())  # their sums, not their .grad, take the room during the step
-        grads = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters()
-                    if p.requires_grad and p.grad is None and p not in summed)
-        grads += sum(local_tensor(p).numel() * torch.finfo(cfg.param_grad_dtype).bits // 8 for p in summed)
-        later = grads + cfg.reserved_gpu_bytes
-        return self._free_gpu_bytes() + reusable - working_set - later - gpu_margin(self._gpu_capacity())
-
-    def _gpu_capacity(self) -> int:
-        """The device's memory this process may hold (0 off CUDA: the margin's floor applies)."""
-        return device_memory(self.device)[1] if self.device.type == "cuda" else 0
-
-    def _free_gpu_bytes(self) -> int:
-        """Free device memory, counting what the caching allocator holds but does not use (within
-        a per-process memory fraction)."""
-        return device_memory(self.device)[0]
-
-    def _check_memory(self, batch: int, max_pages: int, host_pages: int) -> None:
-        """Refuse a step whose pages the host, or (offload 'none'/'all') the GPU, cannot hold now,
-        before anything is computed, with what would fit and how to get there."""
-        pool_now = self.store.pool.n_slots * self.spec.page_bytes
-        host_need = host_pages - self.store.host.host_bytes(self.store.host.batch, self.store.host.max_pages)
-        if self.device.type == "cpu":  # a CPU model's "device" pool (and staging) is host memory too
-            host_pages += self.store.device_pages(batch, max_pages) * self.spec.page_bytes
-            host_need += self.store.device_bytes(batch, max_pages) - pool_now
-        if host_need > 0:
-            available = available_host_bytes()
-            if host_need > available:
-                tokens = max(1, batch * max_pages * self.page_size)
-                per_token = host_pages / tokens
-                raise ValueError(
-                    f"this step needs {human_bytes(host_need)} more host memory for its pages "
-                    f"({human_bytes(per_token)} per token of context), but only {human_bytes(available)} is "
-                    f"available: about {int(available / per_token):,} tokens would fit. Use a shorter context, "
-                    "kv_grad_dtype=torch.bfloat16 (halves the gradient pages), offload='auto' (keeps part on the "
-                    "GPU) or sparse attention."
-                )
-        if self.device.type == "cuda" and self.config.offload != "auto":
-            kept = self._kept_bytes(batch, max_pages)
-            need = self.store.device_bytes(batch, max_pages) - pool_now + kept
-            free = self._free_gpu_bytes()
-            if need > free:
-                also = f" (of which {human_bytes(kept)} for keep_attention: leave it off)" if kept else ""
-                raise ValueError(
-                    f"the pages of this step need {human_bytes(need)} more GPU memory{also}, {human_bytes(free)} "
-                    f"is free; use offload='auto' or offload='all' (pages on the host), a shorter context or "
-                    "kv_grad_dtype=torch.bfloat16"
-                )
-
-    def _kept_bytes(self, batch: int, max_pages: int) -> int:
-        """Device bytes of the attention outputs and LSEs stage 1 keeps on the GPU (keep_attention),
-        of this rank's query heads."""
-        return self._attention_bytes(batch, max_pages, len(self.kept.layers) - len(self.kept.host_layers))
-
-    def _attention_bytes(self, batch: int, max_pages: int, n_layers: int | None = None) -> int:
-        """What keeping the attention outputs and LSEs of n_layers (default: every layer but the
-        last) takes (this rank's query heads)."""
-        a = self.adapter
-        n_layers = a.n_layers - 1 if n_layers is None else n_layers
-        return kept_attention_bytes(max_pages // self.config.pages_per_chunk, n_layers, batch,
-                                    self.chunk_size, self._query_heads, a.head_dim, self.spec.dtype.itemsize)
-
-    @property
-    def _query_heads(self) -> int:
-        """This rank's query heads (all of them without tensor parallelism)."""
-        a = self.adapter
-        return a.local_kv_heads * (a.n_heads // a.n_kv_heads)
 
     # -- helpers ------------------------------------------------------------------------------
 
@@ -626,73 +502,6 @@ class ChunkRecurrentEngine:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, self.device)
-
-
-class _LookAhead:
-    """Stage 2's page transfers for one chunk, each started a layer early: a host layer's first
-    group of pages starts loading while the layer before it (the one after it, in backward)
-    still computes, into the staging buffer that layer is done with (ScheduledGroups.then), so
-    the transfer hides behind that layer's attention and MLP."""
-
-    def __init__(self, engine: ChunkRecurrentEngine, c: int, first_page: int) -> None:
-        self.engine, self.c, self.first_page = engine, c, first_page
-        self.groups: dict[int, ScheduledGroups | None] = {}  # layer -> its groups, made (loading) a layer early
-
-    def forward(self, i: int, groups: ScheduledGroups) -> None:
-        """Layer i's forward reads `groups`: the next layer's may start loading."""
-        self.groups[i] = groups
-        self._next(i, i + 1, False)
-
-    def backward_starts(self, groups: ScheduledGroups, i: int, grad: torch.Tensor) -> None:
-        """A hook on layer i's output: its backward starts when the output's gradient is ready.
-        Load its first group of pages (and their dK/dV) then, behind the MLP's backward, if the
-        layer after it did not already, and the next layer's (i - 1)."""
-        groups.prefetch(True)
-        self._next(i, i - 1, True)
-
-    def _next(self, i: int, j: int, with_grad: bool) -> None:
-        """Start layer j's first group after layer i's (j read next in this pass)."""
-        engine, c, a = self.engine, self.c, self.engine.adapter
-        if engine.config.checkpoint_layers or not 0 <= j < a.n_layers or a.window(i):
-            return
-        if not with_grad and engine.kept.has(c, j):
-            return  # its forward reads no page: its output was kept by stage 1
-        if self.groups.get(j) is None:
-            # None: selected by its own queries (the last chunk)
-            self.groups[j] = engine._known_groups(c, j, self.first_page)
-        if self.groups[j] is None:
-            return
-        if with_grad or not engine.kept.has(c, i):  # layer i reads its pages in this pass
-            self.groups[i].then(with_grad, self.groups[j])
-        else:
-            self.groups[j].prefetch(with_grad)
-
-
-class _HostLead:
-    """Keeps the host thread at most `depth` chunks ahead of the GPU.
-
-    Without it, a GPU-bound step lets Python queue chunk after chunk; every buffer that
-    crosses streams (pages going to or coming from the host, `record_stream`) is then freed
-    long before the GPU is done with it, and the caching allocator cannot reuse it: device
-    memory would grow with the context. Two chunks of lead keep the GPU busy; the wait is one
-    event per chunk, not per page.
-    """
-
-    def __init__(self, device: torch.device, depth: int = HOST_LEAD_CHUNKS) -> None:
-        self.cuda = device.type == "cuda"
-        self.depth = depth
-        self.events: deque = deque()
-
-    def chunk_done(self) -> None:
-        if not self.cuda:
-            return
-        event = torch.cuda.Event()
-        event.record()
-        self.events.append(event)
-        if len(self.events) > self.depth:
-            oldest = self.events.popleft()
-            if not oldest.query():  # wait only when the GPU really is behind
-                oldest.synchronize()
 
 
 class _Passes:

@@ -91,6 +91,15 @@ def pair_sum(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype,
     return add_into(a, b, torch.empty(a.shape, dtype=dtype, device=a.device))
 
 
+def summed_params(model: nn.Module, wide: torch.dtype | None) -> list[nn.Parameter]:
+    """The trainable parameters of `model` whose chunk gradients are summed in `wide`
+    (EngineConfig.param_grad_dtype): those of a narrower dtype; none when `wide` is None."""
+    if wide is None:
+        return []
+    return [p for p in model.parameters()
+            if p.requires_grad and torch.finfo(p.dtype).bits < torch.finfo(wide).bits]
+
+
 class GradSums:
     """Sums each listed parameter's chunk gradients in `wide` (fp32) over one step (the module's
     docstring). A .grad the caller already had (an earlier micro-batch) starts the sum. close()

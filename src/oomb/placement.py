@@ -3,9 +3,9 @@
 `place()` takes sizes and budgets (no tensors, no devices, no measuring) and decides how many
 full-attention layers keep their pages on the GPU, whether host layers need staging buffers, and
 how many layers' attention outputs stage 1 keeps on the GPU and in pinned host memory. The engine
-calls it at every step's start with the memory it measured at the first (engine.py), `oomb plan`
-with the memory it is told (plan.py): the plan describes the step the engine runs, and the
-automatic configuration searches over it.
+calls it at every step's start with the memory it measured at the first (memory/step.py),
+`oomb plan` with the memory it is told (plan.py): the plan describes the step the engine runs, and
+the automatic configuration searches over it.
 
 Offload 'none' keeps every layer's pages on the GPU, 'all' puts the full-attention layers' pages
 on the host, 'auto' keeps whole layers on the GPU while they fit beside the staging buffers. Sliding-

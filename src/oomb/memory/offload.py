@@ -112,6 +112,11 @@ class HostPages:
     def host_bytes(self, batch: int, max_pages: int) -> int:
         return len(self.layers) * batch * max_pages * (self.spec.page_bytes + self.rep_bytes)
 
+    @property
+    def arena_bytes(self) -> int:
+        """Host bytes its arena holds now (pinned, for a CUDA device)."""
+        return self.host_bytes(self.batch, self.max_pages)
+
     def staging_bytes(self, batch: int, max_pages: int) -> int:
         if not self.layers:
             return 0

@@ -24,7 +24,8 @@ from ..data.codec import codec_for
 from ..data.documents import data_layout
 from ..data.recall import RecallMix, RecallTask, Tally, answers, bucket_of, default_edges, queries
 from ..data.tokens import copy_entropy, copy_halves, load_tokens, windows
-from ..engine import HOST_LEAD_CHUNKS, ChunkRecurrentEngine
+from ..engine import ChunkRecurrentEngine
+from ..memory.schedule import HOST_LEAD_CHUNKS
 from ..models import adapter_class
 from ..models.float8 import apply_float8
 from ..models.liger import apply_liger
