@@ -136,17 +136,15 @@ def test_export_loads_with_from_pretrained(family, tmp_path):
 
 
 def test_tensor_parallel_refused_where_not_split():
-    """Fused q/k/v (Phi-3), experts and Gemma 3's per-head norms (whose weight gradient each rank
-    would hold a share of) are refused by name, by the planner and by the splitter; Mistral's
-    separate projections split as Llama's do."""
+    """Fused q/k/v (Phi-3) and experts are refused by name, by the planner and by the splitter;
+    Mistral's separate projections split as Llama's do."""
     from oomb.parallel import apply_tensor_parallel
     from oomb.plan import plan
 
     class Mesh:
         def size(self):
             return 2
-    for family, reason in (("phi3", "fused qkv_proj"), ("qwen3_moe", "experts"), ("mixtral", "experts"),
-                           ("gemma3", "q_norm / k_norm")):
+    for family, reason in (("phi3", "fused qkv_proj"), ("qwen3_moe", "experts"), ("mixtral", "experts")):
         model = make_model(family)
         name = type(model).__name__
         with pytest.raises(ValueError, match=rf"tp=2: tensor parallelism is not implemented for {name} .*{reason}"):

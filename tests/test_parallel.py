@@ -58,7 +58,7 @@ def _worker(rank, world, port, mode, out):
 
 
 def _model(mode):
-    model = make_model("qwen2_tp")
+    model = make_model("qwen3" if mode == "tp_qwen3" else "qwen2_tp")
     if mode == "tp_lora":  # adapters on every projection, non-zero B so that every path carries gradient
         import peft
         model = peft.get_peft_model(model, peft.LoraConfig(
@@ -73,9 +73,10 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("mode", ["dp", "tp", "tp_lora", "tp_compile"])
+@pytest.mark.parametrize("mode", ["dp", "tp", "tp_lora", "tp_compile", "tp_qwen3"])
 def test_two_processes_equal_one(mode, tmp_path):
-    """tp_compile: the layers through torch.compile, which traces DTensor's collectives."""
+    """tp_compile: the layers through torch.compile, which traces DTensor's collectives; tp_qwen3:
+    q/k norms, whose weights serve every head while each rank computes its own heads."""
     model = _model(mode)
     ids, labels = _batch()
     ref = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, backend="torch").forward_backward(ids, labels)

@@ -17,6 +17,7 @@ Launch: `torchrun --nproc-per-node N -m oomb.cli train --tp T ...` (README).
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -107,6 +108,18 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         from torch.distributed.tensor.parallel import parallelize_module
 
         parallelize_module(layer, tp_mesh, plan)
+        for name in adapter.per_head_modules:  # replicated weights applied to this rank's heads only
+            for p in layer.get_submodule(name).parameters():
+                p.register_hook(functools.partial(_sum_over, group=tp_mesh.get_group()))
+
+
+def _sum_over(grad: torch.Tensor, group) -> torch.Tensor:
+    """A gradient summed over the ranks of `group`: a weight shared by every head (a q/k norm's)
+    gets from each rank only its own heads' share. Summed as each backward produces it (before it
+    is accumulated), so accumulation over chunks and steps stays a plain sum."""
+    grad = grad.clone()
+    dist.all_reduce(grad, group=group)
+    return grad
 
 
 def _linear_plan(layer: nn.Module, name: str, style: str) -> dict:

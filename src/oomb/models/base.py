@@ -40,6 +40,10 @@ class DecoderAdapter:
                                                "down_proj")
     #: why tensor parallelism is refused for this family ("": oomb.parallel splits it)
     tp_refusal: ClassVar[str] = ""
+    #: modules of a decoder layer applied to each head after the heads are split (q/k norms): under
+    #: tensor parallelism each rank's gradient of their weights is its own heads' share, which
+    #: oomb.parallel sums over the ranks
+    per_head_modules: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, causal_lm: nn.Module) -> None:
         self.causal_lm = causal_lm

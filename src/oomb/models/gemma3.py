@@ -5,7 +5,7 @@ norms (each branch's output normed before its residual add), embeddings scaled b
 RMSNorms of (1 + weight) inside the model's own modules, and the attention scale
 query_pre_attn_scalar**-0.5, which the base class reads off the attention module (scaling).
 
-Refused: tensor parallelism (tp_refusal); logit soft-capping (oomb's attention kernels have none,
+Refused: logit soft-capping (oomb's attention kernels have none,
 and its loss takes the LM head's logits as they are; transformers' Gemma 3 attention ignores
 attn_logit_softcapping, but a config that sets it asks for soft-capping, which would silently not
 happen); bidirectional attention.
@@ -17,8 +17,6 @@ class Gemma3Adapter(Qwen3Adapter):
     model_classes = ("Gemma3ForCausalLM",)
     rope_module = "transformers.models.gemma3.modeling_gemma3"
     supported_layer_types = ("full_attention", "sliding_attention")
-    tp_refusal = ("its q_norm / k_norm weights, shared by every head, would get only each rank's heads' share of "
-                  "their gradient: oomb.parallel does not sum it over the ranks")
 
     def check_config(self, cfg) -> None:
         super().check_config(cfg)
