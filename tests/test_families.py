@@ -76,9 +76,11 @@ def test_lora_targets():
     """The adapter's LoRA targets: every nn.Linear of a dense family's decoder layers (Phi-3's
     fused qkv_proj and gate_up_proj included), the attention projections of a mixture of experts
     (its experts are 3-D parameters; Qwen3-MoE's dense MLP layers are left alike); LoRA gradients
-    through oomb equal transformers'."""
+    through oomb equal transformers'; oomb plan's count of LoRA parameters is PEFT's."""
     import peft
-    for family in ("mistral", "phi3", "qwen3_moe", "mixtral", "gemma3"):
+
+    from oomb.plan import lora_params
+    for family in ("qwen2", "mistral", "phi3", "qwen3_moe", "mixtral", "gemma3"):
         model = make_model(family)
         linears = {n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)}
         if family in ("qwen3_moe", "mixtral"):
@@ -89,6 +91,8 @@ def test_lora_targets():
         adapted = {n.removeprefix("base_model.model.model.layers.") for n, m in lora.named_modules()
                    if hasattr(m, "lora_A")}
         assert len(linears) >= 8 and adapted == linears, (family, linears ^ adapted)
+        # what `oomb plan --lora-rank` counts (its memory and the auto configuration) is what PEFT trains
+        assert lora_params(model.config, 4) == sum(p.numel() for p in lora.parameters() if p.requires_grad), family
         if family in ("phi3", "mixtral"):
             check_against_full_sequence(lora, *batch(96, rows=1), chunk_size=32, page_size=16, backend="torch")
 

@@ -239,8 +239,8 @@ def test_plan_placement_and_longest_context(capsys):
     short = plan(cfg, 2**16, optimizer_bytes_per_param=0, keep_attention=True)
     assert place(short, "none", 140 * gib, 0).gpu == place(plan(cfg, 2**16, optimizer_bytes_per_param=0), "none",
                                                           140 * gib, 0).gpu + short.kept_attention
-    # LoRA rank 16 on q, k, v, o of 28 layers: A (in x 16) + B (16 x out) each
-    assert lora_params(cfg, 16) == 16 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584)) * 28
+    # LoRA rank 16 on q, k, v, o and the MLP's gate, up, down of 28 layers: A (in x 16) + B (16 x out) each
+    assert lora_params(cfg, 16) == 16 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584) + 3 * (3584 + 18944)) * 28
     assert parse_bytes("139.8GiB") == int(139.8 * gib) and parse_bytes("80GB") == 80 * 10**9
     with pytest.raises(argparse.ArgumentTypeError, match="'lots' is not a size"):
         parse_bytes("lots")
@@ -306,8 +306,8 @@ def test_plan_per_rank_under_tensor_parallelism(capsys):
     assert four.kv_pages == one.kv_pages // 4 and four.grad_pages == one.grad_pages // 4
     assert four.kept_attention == one.kept_attention // 4 and four.page_bytes == one.page_bytes // 4
     assert four.chunk_activations < one.chunk_activations and four.logits_slice == one.logits_slice
-    # column-parallel q/k/v split their B (out x r), row-parallel o its A (r x in)
-    assert lora_params(cfg, 16, tp=4) == 28 * 16 * (4 * h + (2 * h + 2 * kv) // 4)
+    # column-parallel q/k/v/gate/up split their B (out x r), row-parallel o/down their A (r x in)
+    assert lora_params(cfg, 16, tp=4) == 28 * 16 * (4 * h + (2 * h + 2 * kv) // 4 + 3 * h + 3 * inter // 4)
     with pytest.raises(ValueError, match="tp=3 must be a degree that divides num_attention_heads=28 and "
                                          "num_key_value_heads=4"):
         plan(cfg, 2**16, tp=3)

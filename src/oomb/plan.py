@@ -250,12 +250,22 @@ def head_dim_of(config) -> int:
 
 
 def lora_params(config, rank: int, tp: int = 1) -> int:
-    """Trainable parameters of LoRA rank `rank` on the attention projections (q, k, v, o), on one
-    rank of tensor-parallel degree `tp`: a column-parallel projection's B is split with it, a
-    row-parallel one's A (oomb.parallel); the other factor is whole on every rank."""
+    """Trainable parameters of LoRA rank `rank` on the modules `oomb train --lora-rank` adapts (the
+    family's lora_targets), on one rank of tensor-parallel degree `tp`: a column-parallel
+    projection's B is split with it, a row-parallel one's A (oomb.parallel); the other factor is
+    whole on every rank."""
+    from .models import adapter_class
+
     hidden, head_dim = config.hidden_size, head_dim_of(config)
-    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
-    per_layer = rank * (4 * hidden + (2 * q + 2 * kv) // tp)  # A of q/k/v and B of o whole
+    q, kv, inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.intermediate_size
+    shapes = {"q_proj": (hidden, q, True), "k_proj": (hidden, kv, True), "v_proj": (hidden, kv, True),
+              "o_proj": (q, hidden, False), "gate_proj": (hidden, inter, True), "up_proj": (hidden, inter, True),
+              "down_proj": (inter, hidden, False), "qkv_proj": (hidden, q + 2 * kv, True),
+              "gate_up_proj": (hidden, 2 * inter, True)}  # (in, out, column-parallel)
+    per_layer = 0
+    for name in adapter_class(config).lora_targets:
+        n_in, n_out, column = shapes[name]
+        per_layer += rank * (n_in + n_out // tp if column else n_in // tp + n_out)
     return config.num_hidden_layers * per_layer
 
 
