@@ -136,7 +136,8 @@ def test_bench_parallel_smoke(tmp_path):
     assert abs(rows[1]["tok_s"] * rows[1]["step_s"] / (2 * 512) - 1) < 0.05  # DP=2: two sequences a step
 
     sys.path.insert(0, os.path.join(ROOT, "bench"))
-    from report import Commands, parallel_table
+    from report_common import Commands
+    from report_parallel import parallel_table
     lines = parallel_table(rows, Commands()).splitlines()
     header = next(line for line in lines if line.startswith("| attention |")).split(" | ")
     dp2 = next(line for line in lines if line.startswith("| dense | 2 | 1 x 2 |")).split(" | ")

@@ -1,5 +1,6 @@
-"""bench/report.py: the benchmarks page and its plots, generated from result rows (here a few
-sample rows in a temporary directory), and the rules that pick each table's rows."""
+"""bench/report.py (the page) and bench/report_*.py (its sections): the benchmarks page and its plots,
+generated from result rows (here a few sample rows in a temporary directory), and the rules that pick
+each table's rows."""
 import json
 import os
 import re
@@ -11,6 +12,16 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import report  # noqa: E402
+import report_before_after  # noqa: E402
+import report_common  # noqa: E402
+import report_dense  # noqa: E402
+import report_gpu_sizes  # noqa: E402
+import report_memory  # noqa: E402
+import report_offload  # noqa: E402
+import report_packed  # noqa: E402
+import report_plan  # noqa: E402
+import report_reliability  # noqa: E402
+import report_trainer  # noqa: E402
 
 HEADINGS = ["Kernels vs cuDNN", "Dense step vs transformers and Liger", "The trainer end to end", "GPU memory vs context",
             "Top-k sparse steps",
@@ -107,7 +118,8 @@ def sample_soak():
     flat = {"baseline_gib": 7.6, "max_gib": 7.6, "growth_gib": 0.0, "growth_pct": 0.0, "slope_gib_per_step": 0.0,
             "ok": True}
     return [{"bench": "soak", "model": "byte-lm-30m", "seq_len": 256 * K, "mode": "dense, offload none", "steps": 20,
-             "step_s": [21.3, 23.6, 22.6], "growth": {k: flat for k, _ in report.SOAK_SERIES}, "flat": True,
+             "step_s": [21.3, 23.6, 22.6], "growth": {k: flat for k, _ in report_reliability.SOAK_SERIES},
+             "flat": True,
              "command": "python bench/soak.py --model byte-lm-30m --seq-len 256K --steps 20 --results /x/soak.jsonl",
              "commit": "a1b2c3d", "date": "2026-12-02T07:11:27+00:00", **MACHINE}]
 
@@ -174,23 +186,23 @@ def test_rows_of_unshipped_code_are_left_out():
     """A hand-labelled A/B arm, a row of a never-merged commit, a profiled row and one run under an
     environment switch are all newer than the shipped rows; none of them is picked."""
     steps = sample_steps()
-    picked = [r for pair in report.select_dense_steps(steps) for r in pair if r]
-    picked += [r for _, rows in report.select_memory(steps) for r in rows]
+    picked = [r for pair in report_dense.select_dense_steps(steps) for r in pair if r]
+    picked += [r for _, rows in report_memory.select_memory(steps) for r in rows]
     assert picked and all(r["step_s"] != 1.0 for r in picked)
-    assert {(r["seq_len"], r["step_s"]) for r, _ in report.select_dense_steps(steps)} == {
+    assert {(r["seq_len"], r["step_s"]) for r, _ in report_dense.select_dense_steps(steps)} == {
         (32 * K, 4.26), (64 * K, 11.97), (64 * K, 12.76), (128 * K, 36.0)}
 
 
 def test_dense_steps_pair_with_the_liger_step_of_their_run():
     older = step("liger", 64 * K, 12.0, 50.0, commit="0f1e2d3", date="2026-11-30T01:00:00+00:00")
-    pairs = report.select_dense_steps(sample_steps() + [older])
+    pairs = report_dense.select_dense_steps(sample_steps() + [older])
     assert all(liger is not None and liger["commit"] == r["commit"] for r, liger in pairs)
     assert [liger["step_s"] for r, liger in pairs if r["seq_len"] == 64 * K] == [12.41, 12.41]
     # what oomb train chooses (no tuning flags), beside the Liger step of its run
     default = step("oomb-default", 64 * K, 11.5, 120.0, chunk_size=8192, commit="9a8b7c6",
                    date="2026-12-03T01:00:00+00:00")
     liger = step("liger", 64 * K, 12.3, 52.9, commit="9a8b7c6", date="2026-12-03T01:02:00+00:00")
-    pairs = report.select_dense_steps(sample_steps() + [default, liger])
+    pairs = report_dense.select_dense_steps(sample_steps() + [default, liger])
     # each kind's newest run: the tuned steps of one run, oomb train's choice of another
     assert [(r["impl"], r["commit"], b["step_s"]) for r, b in pairs if r["seq_len"] == 64 * K] == [
         ("oomb", "a1b2c3d", 12.41), ("oomb", "a1b2c3d", 12.41), ("oomb-default", "9a8b7c6", 12.3)]
@@ -202,28 +214,29 @@ def test_a_peak_counts_only_at_the_longest_length_of_its_process():
     same_process = dict(commit="a1b2c3d", date="2026-12-01T05:00:00+00:00")
     rows = [step("oomb", 64 * K, 16.2, 90.1, **same_process), step("oomb", 256 * K, 176.4, 90.1, **same_process),
             step("oomb", 64 * K, 16.4, 58.6, date="2026-11-30T05:00:00+00:00")]
-    (label, picked), = report.select_memory(rows)
+    (label, picked), = report_memory.select_memory(rows)
     assert label.startswith("oomb dense, offload none")
     assert [(r["seq_len"], r["peak_gib"]) for r in picked] == [(64 * K, 58.6), (256 * K, 90.1)]
 
 
 def test_offload_compares_all_with_the_same_settings_on_the_gpu():
-    (a, b), = [pair for pair in report.select_offload(sample_steps()) if pair[0]["seq_len"] == 64 * K]
+    (a, b), = [pair for pair in report_offload.select_offload(sample_steps()) if pair[0]["seq_len"] == 64 * K]
     assert (a["impl"], a["step_s"], b["impl"], b["step_s"]) == ("oomb-all", 12.73, "oomb", 12.76)
-    (a, b), = [pair for pair in report.select_offload(sample_steps()) if pair[0]["seq_len"] == M]
+    (a, b), = [pair for pair in report_offload.select_offload(sample_steps()) if pair[0]["seq_len"] == M]
     assert (b["impl"], b["host_layers"]) == ("oomb-sparse-auto", 8)  # 1M fits nowhere without offload
 
 
 def test_commands_are_rebuilt_from_the_settings_a_row_records():
     row = step("oomb-sparse-auto", M, 145.0, 129.0, keep_attention="fit", kept_layers=24, kept_where="host",
                kept_host_layers=24, kept_host_gib=169.96, group_pages=128)
-    assert report.step_command(row) == (
+    assert report_common.step_command(row) == (
         "python bench/bench_step.py --impls oomb-sparse-auto --lengths 1M --kv-grad-dtype bf16 --oomb-compile "
         "--keep-attention fit --kept-host-gib 170 --group-pages 128")
-    assert report.step_command(step("liger", 32 * K, 4.5, 40.8)) == "python bench/bench_step.py --impls liger --lengths 32K"
-    assert report.step_command(step("liger", 32 * K, 4.5, 40.8, step_times=[4.6, 4.5, 4.4])) == (
+    assert report_common.step_command(step("liger", 32 * K, 4.5, 40.8)) == (
+        "python bench/bench_step.py --impls liger --lengths 32K")
+    assert report_common.step_command(step("liger", 32 * K, 4.5, 40.8, step_times=[4.6, 4.5, 4.4])) == (
         "python bench/bench_step.py --impls liger --lengths 32K --repeats 3")
-    assert report.attention_command(sample_attention()[-1]) == (
+    assert report_common.attention_command(sample_attention()[-1]) == (
         "python bench/bench_attention.py --keys 1048576 --sparse 64 --no-sdpa")
 
 
@@ -239,18 +252,18 @@ def test_capped_steps_give_the_longest_context_per_gpu_size(tmp_path):
     'Smaller GPUs' table takes the longest context each implementation finished at each cap, and
     rebuilds its command without engine flags for what oomb train chose."""
     rows = sample_steps()
-    picked = report.select_gpu_sizes(rows)
+    picked = report_gpu_sizes.select_gpu_sizes(rows)
     assert [(r["impl"], r["seq_len"]) for r in picked] == [("liger", 64 * K), ("oomb-default", 256 * K)]
-    assert all(not r.get("gpu_cap_gib") for r in report.step_rows(rows))
-    assert report.step_command(picked[1]) == ("python bench/bench_step.py --impls oomb-default --lengths 256K "
-                                             "--lora-rank 16 --gpu-cap-gib 24")
+    assert all(not r.get("gpu_cap_gib") for r in report_common.step_rows(rows))
+    assert report_common.step_command(picked[1]) == ("python bench/bench_step.py --impls oomb-default --lengths 256K "
+                                                    "--lora-rank 16 --gpu-cap-gib 24")
     # the plan's longest context at that cap: oomb train chooses settings for it, not for 8 chunks more
     from oomb.auto import Machine, NothingFits, choose
     from oomb.config import EngineConfig
     from oomb.presets import preset_config
 
-    longest = report.auto_longest(picked[1])
-    config, machine = preset_config("qwen2.5-7b"), Machine(24 * 2**30, report.PLAN_HOST_GIB * 2**30)
+    longest = report_plan.auto_longest(picked[1])
+    config, machine = preset_config("qwen2.5-7b"), Machine(24 * 2**30, report_plan.PLAN_HOST_GIB * 2**30)
     base, lora = EngineConfig(offload="auto", keep_attention=None), {"trainable_params": 20_185_088}
     assert longest >= picked[1]["seq_len"] and choose(config, longest, machine, base, **lora).fit.fits
     with pytest.raises(NothingFits):
@@ -262,10 +275,10 @@ def test_packed_steps_pair_with_liger_batches_and_the_dense_step():
     the newest dense step of the same implementation at that context; packed rows stay out of
     the whole-GPU tables."""
     rows = sample_steps()
-    [(mine, liger, dense)] = report.select_packed(rows)
+    [(mine, liger, dense)] = report_packed.select_packed(rows)
     assert (mine["step_s"], liger["step_s"], dense["step_s"]) == (9.0, 12.0, 36.0)
-    assert all(not r.get("packed_docs") for r in report.step_rows(rows))
-    body = report.packed_section(rows)
+    assert all(not r.get("packed_docs") for r in report_common.step_rows(rows))
+    body = report_packed.packed_section(rows)
     [line] = table_rows(body)
     assert "| 128K | 8K | 16 |" in line and "| 1.33 |" in line and "| 4.00 |" in line
     assert "--packed-docs 8K" in body
@@ -276,14 +289,14 @@ def test_the_plan_is_within_ten_percent_of_every_measured_step():
     outputs peaked within 10 % of what oomb.plan gives that step today (and the failing 24 GiB
     LoRA step, chunk 8192 with its layers recomputed, which ran out with 23.35 GiB allocated, is
     no longer planned below what it took by more than that)."""
-    checked = report.plan_checked(report.load(os.path.join(ROOT, "bench", "results"), "step.jsonl"))
+    checked = report_plan.plan_checked(report_common.load(os.path.join(ROOT, "bench", "results"), "step.jsonl"))
     assert len(checked) >= 10
     off = [(r["impl"], r["seq_len"], r["commit"], round(x, 3)) for r, x in checked if not 0.9 <= x <= 1.1]
     assert not off
     ran_out = dict(impl="oomb-default", seq_len=256 * K, lora_rank=16, chunk_size=8192, kv_grad_dtype="fp32",
                    checkpoint_layers=True, compile=False, param_grad_dtype="fp32", host_layers=27, kept_layers=27,
                    kept_host_layers=27)
-    assert 23.35 * 2**30 / report.planned_peak(ran_out) <= 1.1
+    assert 23.35 * 2**30 / report_plan.planned_peak(ran_out) <= 1.1
 
 
 def test_soak_rows_without_a_verdict_are_left_out():
@@ -292,18 +305,18 @@ def test_soak_rows_without_a_verdict_are_left_out():
     base = dict(bench="soak", model="byte-lm-30m", seq_len=M, mode="top-k 64, offload auto", gpu="NVIDIA H200")
     judged = dict(base, date="2026-12-03T07:10:59+00:00", flat=True, steps=7)
     resumed = dict(base, date="2026-12-03T07:13:00+00:00", flat=None, steps=1, growth={})
-    assert report.select_soak([judged, resumed]) == [judged]
-    assert report.select_soak([resumed]) == []
+    assert report_reliability.select_soak([judged, resumed]) == [judged]
+    assert report_reliability.select_soak([resumed]) == []
 
 
 def test_before_after_pairs_and_their_command():
     """A before/after run's two rows become one line: both medians, their ratio, whether the
     gradients were bitwise equal; the command is rebuilt from the settings the rows record."""
     before, after = sample_before_after()
-    assert report.select_before_after([before, after, dict(after, seq_len=M)]) == [(before, after)]
-    [line] = table_rows(report.before_after_section([before, after]))
+    assert report_before_after.select_before_after([before, after, dict(after, seq_len=M)]) == [(before, after)]
+    [line] = table_rows(report_before_after.before_after_section([before, after]))
     assert "| 64K | 991b9bd | abc1234 | 12.00 | 12.12 | 1.010 | yes |" in line
-    assert report.before_after_command(before) == (
+    assert report_before_after.before_after_command(before) == (
         "python bench/before_after.py --before DIR --before-commit 991b9bd --lengths 64K --chunk-size 8192 "
         "--repeats 3 --compile --keep-attention")
 
@@ -317,16 +330,16 @@ def test_trainer_rows_pair_with_the_engine_only_step_of_the_same_choice():
     others = [step("oomb-default", 64 * K, 9.0, 20.0, gpu_cap_gib=24, date="2026-12-04T01:30:00+00:00"),
               step("oomb-default", 64 * K, 9.0, 20.0, lora_rank=16, date="2026-12-04T01:40:00+00:00"),
               step("oomb-default", 64 * K, 12.0, 100.0, date="2026-12-03T01:00:00+00:00")]
-    [(picked, beside)] = report.select_trainer([trainer, engine, *others])
+    [(picked, beside)] = report_trainer.select_trainer([trainer, engine, *others])
     assert picked == trainer and beside["date"] == engine["date"] and beside["step_s"] == 12.2
-    [line] = table_rows(report.trainer_section([trainer, engine, *others]))
+    [line] = table_rows(report_trainer.trainer_section([trainer, engine, *others]))
     assert "| 64K | qwen2.5-7b, full | dense | 4 | 40.10 | 12.60 | 5,201 | 101.0 | 12.20 | a1b2c3d | 0.968 |" in line
-    assert "python bench/bench_step.py --impls oomb-train --lengths 64K --train-steps 4" in report.trainer_section(
-        [trainer, engine])
-    assert report.trainer_section([engine]).startswith("_No rows yet")
+    assert "python bench/bench_step.py --impls oomb-train --lengths 64K --train-steps 4" in (
+        report_trainer.trainer_section([trainer, engine]))
+    assert report_trainer.trainer_section([engine]).startswith("_No rows yet")
     # a newer engine-only step of another commit: the trainer's own commit's stays its pair
     later = step("oomb-default", 64 * K, 11.9, 100.0, commit="e5f6a7b", date="2026-12-05T01:00:00+00:00")
-    [(_, beside)] = report.select_trainer([trainer, engine, later])
+    [(_, beside)] = report_trainer.select_trainer([trainer, engine, later])
     assert beside["step_s"] == 12.2
-    [(_, beside)] = report.select_trainer([trainer, later])
+    [(_, beside)] = report_trainer.select_trainer([trainer, later])
     assert beside["step_s"] == 11.9
