@@ -31,7 +31,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import record, run_info, warm_up, warm_up_tokens  # noqa: E402
+from common import BENCH_LORA_TARGETS, record, run_info, warm_up, warm_up_tokens  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -61,7 +61,7 @@ def worker(args) -> None:
         import peft
 
         model = peft.get_peft_model(model, peft.LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+                                                           target_modules=list(BENCH_LORA_TARGETS)))
     engine = oomb.ChunkRecurrentEngine(
         model, chunk_size=args.chunk_size, page_size=args.page_size, backend=args.backend, offload=args.offload,
         sparse=oomb.TopKPages(budget=args.sparse_budget) if args.sparse_budget else None,

@@ -125,7 +125,7 @@ def main() -> None:
                        "chunk_size": args.chunk_size, "group_pages": args.group_pages, "offload": args.offload,
                        "kv_grad_dtype": args.kv_grad_dtype, "keep_attention": args.keep_attention,
                        "compile": args.compile,
-                       "ok": True, "step_s": round(float(stats[1]), 2), "tok_s": round(tokens / float(stats[1]), 1),
+                       "ok": True, "step_s": round(float(stats[1]), 3), "tok_s": round(tokens / float(stats[1]), 1),
                        "tok_s_per_gpu": round(tokens / float(stats[1]) / world, 1),
                        "peak_gib": round(float(stats[0]), 2) if cuda else None, "loss": round(float(loss), 4),
                        **({"profiled": True} if profile else {}), **info}

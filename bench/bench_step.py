@@ -39,8 +39,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (GpuMeter, PassClock, logged_steps, memory_traced, packed_positions, profiled,  # noqa: E402
-                    record, run_info, warm_up, warm_up_tokens)
+from common import (BENCH_LORA_TARGETS, GpuMeter, PassClock, logged_steps, memory_traced,  # noqa: E402
+                    packed_positions, profiled, record, run_info, warm_up, warm_up_tokens)
 
 from oomb.memory.device import ALLOCATOR_SETTINGS  # noqa: E402
 from oomb.units import parse_tokens  # noqa: E402
@@ -67,9 +67,8 @@ def build(name: str, layers: int, liger: bool, lora_rank: int = 0, device: str =
     if lora_rank:  # adapters on the attention projections, the base frozen
         import peft
 
-        attention = ["q_proj", "k_proj", "v_proj", "o_proj"]
         model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, lora_alpha=2 * lora_rank,
-                                                           target_modules=attention))
+                                                           target_modules=list(BENCH_LORA_TARGETS)))
     if float8 != "none":  # torchao float8 GEMMs in the decoder layers' projections
         from oomb.models.float8 import apply_float8
 

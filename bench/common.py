@@ -11,6 +11,11 @@ import time
 
 import torch
 
+# The benchmarks' LoRA (bench_step, before_after): adapters on the attention projections. `oomb
+# train --lora-rank` adapts the family's lora_targets (the MLP's too); the report plans the rows as
+# measured (report_plan.row_engine).
+BENCH_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
 
 def run_info() -> dict:
     """GPU, versions, commit and date, stored with every result row."""

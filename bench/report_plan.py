@@ -4,6 +4,7 @@ the longest `oomb train`'s automatic configuration reaches at a GPU cap.
 """
 from __future__ import annotations
 
+from common import BENCH_LORA_TARGETS
 from report_common import H200_GIB, OFFLOAD, PRESET_LAYERS, own_peaks, shipped
 
 PLAN_HOST_GIB = 110  # what `oomb plan` assumes a 128 GiB machine leaves for pinned pages
@@ -25,7 +26,7 @@ def row_engine(r: dict):
                           checkpoint_layers=bool(r.get("checkpoint_layers")), compile_layers=bool(r.get("compile")),
                           param_grad_dtype=torch.float32 if r.get("param_grad_dtype") == "fp32" else None,
                           group_pages=r.get("group_pages") or 1024, keep_attention=False)
-    return config, engine, lora_params(config, r["lora_rank"]) if r.get("lora_rank") else None
+    return config, engine, lora_params(config, r["lora_rank"], targets=BENCH_LORA_TARGETS) if r.get("lora_rank") else None
 
 
 def planned_longest(r: dict) -> int:

@@ -241,6 +241,8 @@ def test_plan_placement_and_longest_context(capsys):
                                                           140 * gib, 0).gpu + short.kept_attention
     # LoRA rank 16 on q, k, v, o and the MLP's gate, up, down of 28 layers: A (in x 16) + B (16 x out) each
     assert lora_params(cfg, 16) == 16 * ((3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584) + 3 * (3584 + 18944)) * 28
+    assert lora_params(cfg, 16, targets=("q_proj", "k_proj", "v_proj", "o_proj")) == 16 * (
+        (3584 + 3584) + 2 * (3584 + 512) + (3584 + 3584)) * 28
     assert parse_bytes("139.8GiB") == int(139.8 * gib) and parse_bytes("80GB") == 80 * 10**9
     with pytest.raises(argparse.ArgumentTypeError, match="'lots' is not a size"):
         parse_bytes("lots")

@@ -249,11 +249,11 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def lora_params(config, rank: int, tp: int = 1) -> int:
-    """Trainable parameters of LoRA rank `rank` on the modules `oomb train --lora-rank` adapts (the
-    family's lora_targets), on one rank of tensor-parallel degree `tp`: a column-parallel
-    projection's B is split with it, a row-parallel one's A (oomb.parallel); the other factor is
-    whole on every rank."""
+def lora_params(config, rank: int, tp: int = 1, targets: tuple[str, ...] | None = None) -> int:
+    """Trainable parameters of LoRA rank `rank` on `targets` (None: the modules `oomb train
+    --lora-rank` adapts, the family's lora_targets), on one rank of tensor-parallel degree `tp`: a
+    column-parallel projection's B is split with it, a row-parallel one's A (oomb.parallel); the
+    other factor is whole on every rank."""
     from .models import adapter_class
 
     hidden, head_dim = config.hidden_size, head_dim_of(config)
@@ -263,7 +263,7 @@ def lora_params(config, rank: int, tp: int = 1) -> int:
               "down_proj": (inter, hidden, False), "qkv_proj": (hidden, q + 2 * kv, True),
               "gate_up_proj": (hidden, 2 * inter, True)}  # (in, out, column-parallel)
     per_layer = 0
-    for name in adapter_class(config).lora_targets:
+    for name in targets or adapter_class(config).lora_targets:
         n_in, n_out, column = shapes[name]
         per_layer += rank * (n_in + n_out // tp if column else n_in // tp + n_out)
     return config.num_hidden_layers * per_layer
