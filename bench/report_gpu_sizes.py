@@ -60,7 +60,7 @@ def gpu_sizes_section(rows: list[dict], out_dir: str) -> str:
                "commit", "date", "command"], out),
         "Rows: for each cap, implementation and kind of gradients, the longest context that finished; the newest "
         "row there (each run stops an implementation at its first length that does not fit). Plan: what "
-        "`oomb plan` gives that step's GPU memory today, placed as its engine placed it (report.py planned_peak: "
+        "`oomb plan` gives that step's GPU memory today, placed as its engine placed it (report_plan.planned_peak: "
         "weights, gradients, one chunk's working set, the pages of the layers on the GPU, staging, kept outputs "
         "on the GPU); a planned step keeps 5 % of the GPU (2 GiB at least) free beside it. Plan's longest: the "
         "longest context `oomb train` would choose settings for at that cap, by the plan, with AdamW's state "
