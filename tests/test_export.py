@@ -57,6 +57,13 @@ def test_lora_final_and_steps_load_in_eval_and_plan_as_peft_loads_them(lora_run,
     for path in (final, step1):
         main(["plan", "--model", str(path), "--seq-len", "1K", "--lora-rank", "4"])
         assert f"{path}: 1 x 1,024 tokens" in capsys.readouterr().out
+        # without --lora-rank the plan counts the adapter's own LoRA (rank and targets), as PEFT holds it
+        main(["plan", "--model", str(path), "--seq-len", "1K", "--json"])
+        planned = json.loads(capsys.readouterr().out.splitlines()[-1])
+        torch.manual_seed(0)
+        adapter = peft.PeftModel.from_pretrained(load_model("tiny"), path, is_trainable=True)
+        # fp32 gradient sums (--param-grad-dtype float32, the default) of every parameter PEFT trains
+        assert planned["grads"] == 4 * sum(p.numel() for p in adapter.parameters() if p.requires_grad) > 0
 
 
 def test_an_older_step_with_the_parameters_names_loads_and_resumes(lora_run, tmp_path, capsys):

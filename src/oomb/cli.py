@@ -26,6 +26,21 @@ def cmd_train(args) -> None:
           kernels=KernelOptions.from_env(os.environ))
 
 
+def lora_of(args) -> tuple[int, tuple[str, ...] | None]:
+    """The LoRA a plan counts: --lora-rank on the family's targets, else the rank and target
+    modules of the LoRA adapter --model names (0: full-parameter training)."""
+    from .train.export import describe
+
+    if args.lora_rank:
+        return args.lora_rank, None
+    artefact = describe(args.model)
+    lora = artefact.lora if artefact is not None else None
+    if lora is None:
+        return 0, None
+    targets = lora.target_modules
+    return lora.r, (targets,) if isinstance(targets, str) else tuple(sorted(targets))
+
+
 def cmd_plan(args) -> None:
     from .attention.sparse import TopKPages
     from .auto import AUTO_FIELDS, Machine, NothingFits, choose, compiles
@@ -34,7 +49,8 @@ def cmd_plan(args) -> None:
     from .presets import load_config
 
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
-    trainable = lora_params(config, args.lora_rank, args.tp) if args.lora_rank else None
+    rank, targets = lora_of(args)
+    trainable = lora_params(config, rank, args.tp, targets) if rank else None
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
     given = {"chunk_size": None if args.chunk_size == "auto" else args.chunk_size,
              "kv_grad_dtype": {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.kv_grad_dtype],
@@ -44,7 +60,7 @@ def cmd_plan(args) -> None:
     sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
     base = EngineConfig(**{k: v for k, v in given.items() if v is not None}, page_size=args.page_size,
                         offload=args.offload, sparse=sparse, group_pages=args.group_pages,
-                        compile_layers=compiles(config, torch.device("cuda"), bool(args.lora_rank))
+                        compile_layers=compiles(config, torch.device("cuda"), bool(rank))
                         if args.compile is None else args.compile,
                         param_grad_dtype=torch.float32 if args.param_grad_dtype == "float32" else None,
                         # unset: a run keeps only the outputs that fit beside the pages, never what decides
@@ -80,7 +96,8 @@ def cmd_plan(args) -> None:
             print(json.dumps({**p.as_dict(), "placement": dataclasses.asdict(placement(seq_len, engine)),
                               "auto": choice.summary() if choice is not None else None}))
             continue
-        grads = f"LoRA r={args.lora_rank}" if args.lora_rank else "full-parameter gradients"
+        grads = f"LoRA r={rank}" + (" (the adapter's)" if rank != args.lora_rank else "") if rank else \
+            "full-parameter gradients"
         ranks = "" if args.tp == 1 and args.dp == 1 else f", per GPU of TP={args.tp} x DP={args.dp}"
         if choice is not None:
             print(choice.summary(planned=False))
