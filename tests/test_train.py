@@ -671,3 +671,24 @@ def test_lr_schedules():
     assert [constant(s) for s in range(2, 11)] == [1.0] * 9 and constant(0) == cosine(0)
     with pytest.raises(ValueError, match="lr_schedule='linear' must be one of cosine, constant"):
         TrainConfig(lr_schedule="linear")
+
+
+def test_plan_builds_the_sparse_policy_oomb_train_builds(capsys):
+    """`oomb plan` takes every sparse_* setting of oomb train and builds the same policy
+    (trainer.sparse_config): min-max representatives are twice the mean's bytes, a larger chunk
+    budget stages more pages, each as plan() gives for that TopKPages."""
+    from oomb.cli import main
+    from oomb.plan import plan
+    from oomb.presets import preset_config
+
+    def planned(*flags):
+        main(["plan", "--model", "qwen2.5-7b", "--seq-len", "256K", "--chunk-size", "4096", "--sparse-budget", "64",
+              "--json", *flags])
+        return json.loads(capsys.readouterr().out.splitlines()[-1])
+
+    mean, minmax = planned(), planned("--sparse-representative", "minmax")
+    assert minmax["representatives"] == 2 * mean["representatives"] > 0
+    wide = planned("--sparse-chunk-budget", "512", "--sparse-sink-pages", "2", "--sparse-dense-layers", "-1")
+    sparse = oomb.TopKPages(budget=64, chunk_budget=512, sink_pages=2, dense_layers=(-1,))
+    assert wide["staged_pages"] == plan(preset_config("qwen2.5-7b"), 2**18, sparse=sparse,
+                                        chunk_size=4096).staged_pages != mean["staged_pages"]

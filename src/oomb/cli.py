@@ -42,11 +42,11 @@ def lora_of(args) -> tuple[int, tuple[str, ...] | None]:
 
 
 def cmd_plan(args) -> None:
-    from .attention.sparse import TopKPages
     from .auto import AUTO_FIELDS, Machine, NothingFits, choose, compiles
     from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
     from .presets import load_config
+    from .train.trainer import sparse_config
 
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     rank, targets = lora_of(args)
@@ -57,7 +57,7 @@ def cmd_plan(args) -> None:
              "checkpoint_layers": args.checkpoint_layers}
     free = tuple(k for k in AUTO_FIELDS if given[k] is None)  # as oomb train chooses them (oomb.auto)
 
-    sparse = TopKPages(budget=args.sparse_budget) if args.sparse_budget else None
+    sparse = sparse_config(args)  # the policy oomb train builds from the same settings
     base = EngineConfig(**{k: v for k, v in given.items() if v is not None}, page_size=args.page_size,
                         offload=args.offload, sparse=sparse, group_pages=args.group_pages,
                         compile_layers=compiles(config, torch.device("cuda"), bool(rank))
@@ -222,8 +222,8 @@ def cmd_export(args) -> None:
 
 #: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
 PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
-               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "optimizer",
-               "param_grad_dtype", "tp")
+               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_chunk_budget",
+               "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer", "param_grad_dtype", "tp")
 PLAN_OVERRIDES = {
     "model": {"default": "qwen2.5-7b"},  # plan is for models worth planning: the tiny demo needs none
     # several lengths in one call, each planned (then the longest context that fits)
