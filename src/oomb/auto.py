@@ -169,7 +169,7 @@ def choose(model_config, seq_len: int, machine: Machine, base: EngineConfig, fre
     `below`, the fastest whose chunk needs less working memory than `below`'s (a retry after it
     ran out).
     plan_args go to plan.plan(): trainable_params, optimizer_bytes_per_param, n_params,
-    optimizer_shards, tp, dtype."""
+    optimizer_shards, tp, dtype, master_weights."""
     unknown = set(free) - set(AUTO_FIELDS)
     if unknown:
         raise ValueError(f"cannot choose {sorted(unknown)} automatically; the automatic fields are {AUTO_FIELDS}")
@@ -216,7 +216,7 @@ def _nothing_fits(model_config, seq_len, machine, base, free, batch, below, plan
         head = f"{batch} x {seq_len:,} tokens do not fit this machine ({machine.describe()})"
     msg = (f"{head}. The most frugal settings ({settings}) plan GPU {human_bytes(need.gpu)} (5 % of it left free) "
            f"and host {human_bytes(need.host)}; the longest context they fit is {longest:,} tokens.")
-    state, usable = p.weights + p.grads + p.optimizer, machine.gpu_bytes - gpu_margin(machine.gpu_bytes)
+    state, usable = p.weights + p.masters + p.grads + p.optimizer, machine.gpu_bytes - gpu_margin(machine.gpu_bytes)
     gpu_bound = not longest and machine.cuda and state >= usable  # no context at all: host memory cannot help
     if gpu_bound:
         msg += (f" The weights, their gradients and the optimizer state alone take {human_bytes(state)} of the "

@@ -51,6 +51,9 @@ def cmd_plan(args) -> None:
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     rank, targets = lora_of(args)
     trainable = lora_params(config, rank, args.tp, targets) if rank else None
+    if args.master_weights != "none" and (rank or args.optimizer == "adamw8bit"):  # as oomb train refuses them
+        raise ValueError(f"--master-weights {args.master_weights} keeps fp32 copies of bf16 trainable weights: not with "
+                         f"{'LoRA (its adapters are fp32 already)' if rank else '--optimizer adamw8bit'}")
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
     given = {"chunk_size": None if args.chunk_size == "auto" else args.chunk_size,
              "kv_grad_dtype": {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.kv_grad_dtype],
@@ -68,7 +71,7 @@ def cmd_plan(args) -> None:
                         keep_attention=bool(args.keep_attention))
     machine = Machine(args.gpu_memory, args.host_memory)
     plan_args = dict(batch=args.batch, trainable_params=trainable, optimizer_bytes_per_param=opt_bytes,
-                     optimizer_shards=args.dp, tp=args.tp)
+                     optimizer_shards=args.dp, tp=args.tp, master_weights=args.master_weights != "none")
 
     def engine_for(seq_len):
         """The step's settings: the given ones, the free ones as oomb train would choose them."""
@@ -103,7 +106,8 @@ def cmd_plan(args) -> None:
             print(choice.summary(planned=False))
         print(f"{args.model}: {args.batch} x {seq_len:,} tokens, chunk {engine.chunk_size}, page {args.page_size}, "
               f"bf16 weights, {grads}, {str(engine.kv_grad_dtype).removeprefix('torch.')} dK/dV pages"
-              f"{', layers recomputed' if engine.checkpoint_layers else ''}, optimizer {args.optimizer}{ranks}")
+              f"{', layers recomputed' if engine.checkpoint_layers else ''}, optimizer {args.optimizer}"
+              f"{', fp32 master weights' if args.master_weights != 'none' else ''}{ranks}")
         fit = placement(seq_len, engine)
         print(fit.table(p))
         growth = (f"; with offload all, GPU memory grows by {p.selections / max(1, p.batch * seq_len) * 1e4 / 1e6:.2f} "
@@ -223,7 +227,8 @@ def cmd_export(args) -> None:
 #: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
 PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
                "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_chunk_budget",
-               "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer", "param_grad_dtype", "tp")
+               "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer", "param_grad_dtype",
+               "master_weights", "tp")
 PLAN_OVERRIDES = {
     "model": {"default": "qwen2.5-7b"},  # plan is for models worth planning: the tiny demo needs none
     # several lengths in one call, each planned (then the longest context that fits)

@@ -151,13 +151,14 @@ class GradSums:
             self.sums[p] = grad.to(self.wide)
 
     def close(self) -> None:
-        """Every parameter's sum into .grad, rounded to its dtype; hooks off."""
+        """Every parameter's sum into .grad, rounded to its gradient's dtype (the weight's, or the
+        fp32 grad_dtype oomb.train.master declares: the sum as it is); hooks off."""
         for h in self.hooks:
             h.remove()
         for p in self.params:
             total = self.sums.pop(p, None)
             if total is not None:
-                p.grad = total.to(p.dtype)
+                p.grad = total.to(getattr(p, "grad_dtype", None) or p.dtype)
             elif p in self.first:
                 p.grad = self.first.pop(p)
             elif p in self.done:

@@ -34,6 +34,7 @@ class MemoryPlan:
     head_logit_grads: int = 0  # a trainable head: the chunk's logit gradients (weight dtype), for its one GEMM
     embedding_grad: int = 0  # the embedding backward's dense (vocab, hidden) gradient, before it is added
     page_bytes: int = 0  # one page of one layer (K, V, dK, dV)
+    masters: int = 0  # master_weights: an fp32 copy of every trainable parameter, which the optimizer steps
     full_layers: int = 0  # layers whose pages may go to the host (full attention)
     window_pages: int = 0  # bytes of the sliding-window layers' pages (a few per chunk; always on the GPU)
     representatives: int = 0  # sparse: a vector (or two) per page and KV head of the full layers; go with the pages
@@ -57,8 +58,8 @@ class MemoryPlan:
     @property
     def beside_pages(self) -> int:
         """Device bytes the step needs whatever the pages' placement: weights, gradients,
-        optimizer state, one chunk's working set and the sparse selections."""
-        return self.weights + self.grads + self.optimizer + self.working_set + self.selections
+        optimizer state (and fp32 master weights), one chunk's working set and the sparse selections."""
+        return self.weights + self.masters + self.grads + self.optimizer + self.working_set + self.selections
 
     @property
     def layer_bytes(self) -> int:
@@ -85,7 +86,7 @@ class MemoryPlan:
 def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = None,
          dtype: torch.dtype = torch.bfloat16, trainable_params: int | None = None,
          optimizer_bytes_per_param: int | None = None, n_params: int | None = None, optimizer_shards: int = 1,
-         tp: int = 1, **options) -> MemoryPlan:
+         tp: int = 1, master_weights: bool = False, **options) -> MemoryPlan:
     """Bytes a step needs for a transformers `config` (all on the GPU: offload 'none'), for an
     engine made with `engine` (an EngineConfig; or its fields as keyword arguments: chunk_size,
     page_size, kv_grad_dtype, sparse, checkpoint_layers, param_grad_dtype, keep_attention (True:
@@ -93,9 +94,11 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
     default torch's AdamW, two moments in the parameters' dtype (4 B for bf16, as the trainer
-    makes it); 0 for none. n_params: the model's parameter count (default: counted on
+    makes it; 8 B with master_weights, the moments of the fp32 masters); 0 for none. n_params: the model's parameter count (default: counted on
     a meta-device instance of the config, so mixtures of experts are counted right).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
+    master_weights: an fp32 master of every trainable parameter beside the weights (4 B each,
+    oomb.train.master).
     tp: tensor-parallel degree: the plan is one rank's, which holds 1/tp of every layer's attention
     heads, KV heads (and their pages) and MLP columns, and the embeddings, head and norms whole
     (oomb.parallel.apply_tensor_parallel). n_params and trainable_params are then this rank's.
@@ -126,7 +129,8 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     heads, kv_heads, inter = heads // tp, kv_heads // tp, inter // tp  # this rank's share of every layer
     trainable = n_params if trainable_params is None else trainable_params
     if optimizer_bytes_per_param is None:
-        optimizer_bytes_per_param = 2 * item  # exp_avg and exp_avg_sq, each like its parameter
+        # exp_avg and exp_avg_sq, each like the parameter the optimizer steps (an fp32 master, or the weight)
+        optimizer_bytes_per_param = 2 * (4 if master_weights else item)
     spec = PageSpec(page_size, kv_heads, head_dim, dtype, engine.kv_grad_dtype)
     n_chunks = -(-seq_len // chunk_size)
     chunk_pages = chunk_size // page_size
@@ -166,6 +170,7 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         weights=n_params * item,
         grads=trainable * max(item, torch.finfo(param_grad_dtype).bits // 8 if param_grad_dtype else 0),
         optimizer=-(-trainable * optimizer_bytes_per_param // optimizer_shards),
+        masters=trainable * 4 if master_weights else 0,
         kv_pages=sum(layer_pages) * batch * spec.kv_bytes,
         grad_pages=sum(layer_pages) * batch * spec.grad_bytes,
         # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
@@ -302,7 +307,8 @@ class Fit:
             host = (n - window) * d.host_layers // full
             return n - host, host
         per_kept = p.kept_layer_bytes
-        rows = [("weights", p.weights, 0), ("gradients", p.grads, 0), ("optimizer state", p.optimizer, 0),
+        rows = [("weights", p.weights, 0), *([("fp32 master weights", p.masters, 0)] if p.masters else []),
+                ("gradients", p.grads, 0), ("optimizer state", p.optimizer, 0),
                 ("K/V pages", *split(p.kv_pages, window_kv)),
                 ("dK/dV pages", *split(p.grad_pages, p.window_pages - window_kv))]
         if p.representatives or p.selections:

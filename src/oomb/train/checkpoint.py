@@ -6,6 +6,8 @@
         named as PEFT names it, and the base it was trained on; oomb.train.export loads both)
         optimizer.pt        optimizer and scheduler state (optimizer-rank{r}.pt per rank under TP
                             and under ZeRO-1: each rank's share; resume with the same layout)
+        master-weights.safetensors   with --master-weights float32: the fp32 masters the
+                            optimizer steps (the weights above are them rounded to bf16)
         rng-rank{r}.pt      each rank's torch RNG states (CPU and CUDA): dropout repeats exactly
         trainer.json        step, batches the data stream has given, parallel layout, config
         manifest.json       every other file's size and SHA-256, written last: a resume checks them
@@ -119,8 +121,12 @@ def restore_trainable(model, state: dict[str, torch.Tensor], path: Path) -> None
             p.copy_(tensor)
 
 
-#: config fields a resume must share with the checkpoint (the data position and the parameter set)
-RESUME_FIELDS = ("model", "seq_len", "batch", "grad_accum", "lora_rank", "tp")
+#: config fields a resume must share with the checkpoint (the data position, the parameter set, and
+#: whether the optimizer's parameters are fp32 masters)
+RESUME_FIELDS = ("model", "seq_len", "batch", "grad_accum", "lora_rank", "tp", "master_weights")
+
+#: a checkpoint's fp32 master weights (oomb.train.master)
+MASTERS_FILE = "master-weights.safetensors"
 
 
 def step_dirs(output_dir: str | Path) -> list[Path]:
@@ -144,8 +150,10 @@ def latest(output_dir: str | Path) -> Path | None:
     return None
 
 
-def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True) -> Path:
-    """Every rank calls this (parameters are gathered); the rank with `write` writes the model.
+def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config, write: bool = True,
+         masters=None) -> Path:
+    """Every rank calls this (parameters are gathered); the rank with `write` writes the model
+    (and, with `masters`, oomb.train.master.MasterWeights, their fp32 masters).
 
     Under tensor parallelism and ZeRO-1 each rank writes its own optimizer state
     (`optimizer-rank{r}.pt`): nothing is gathered (a 7B model's AdamW state is 30 GB in bf16).
@@ -156,6 +164,8 @@ def save(output_dir: str | Path, step: int, model, optimizer, scheduler, config,
     final = Path(output_dir) / f"step-{step:06d}"
     state = trainable_state(model)
     files = _rank_files(step, state, model, optimizer, scheduler, config, write)
+    if write and masters is not None:
+        files[MASTERS_FILE] = masters.state()
     tmp = final.with_name(from_rank0(durable.unique(final.name, "tmp")))
     need = int(_over_ranks(_nbytes(files) + 2**20, dist.ReduceOp.SUM))  # 1 MiB: JSON and file headers
     # Three phases, each ended by every rank agreeing it went well: the directory, each rank's
@@ -465,10 +475,12 @@ def _optimizer_payload(optimizer, scheduler) -> dict:
             "dtensors": json.dumps(layouts)}
 
 
-def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
+def load(path: str | Path, model, optimizer, scheduler, config=None, masters=None) -> int:
     """Restore a checkpoint written by save() (its files checked against the manifest first, and
     with `config`, that this run can continue it); returns the step it was taken at. The RNG
-    states are restored too: a resumed run computes what the uninterrupted one would have."""
+    states are restored too: a resumed run computes what the uninterrupted one would have.
+    masters: the run's MasterWeights, restored from the checkpoint's fp32 masters (and the
+    weights from them)."""
     path = Path(path)
     if not (path / "trainer.json").is_file():
         raise ValueError(f"--resume {str(path)!r} is not a checkpoint directory (no trainer.json in it)")
@@ -477,11 +489,16 @@ def load(path: str | Path, model, optimizer, scheduler, config=None) -> int:
     per_rank = sharded or zero
     weights = weights_file(model) if (path / weights_file(model)).is_file() else "model.safetensors"  # older oomb
     # This rank's files: under TP or ZeRO-1 each rank reads only its own optimizer share.
-    verify(path, {"trainer.json", weights, _optimizer_file(per_rank), f"rng-rank{_rank()}.pt"})
+    verify(path, {"trainer.json", weights, _optimizer_file(per_rank), f"rng-rank{_rank()}.pt", MASTERS_FILE})
     info = json.loads((path / "trainer.json").read_text())
     if config is not None:
         check_compatible(path, info, config)
     restore_trainable(model, load_file(path / weights), path)
+    if masters is not None:
+        if not (path / MASTERS_FILE).is_file():
+            raise ValueError(f"checkpoint {path} has no {MASTERS_FILE}: it was written without --master-weights "
+                             "float32; resume with the settings it was written with")
+        masters.load(load_file(path / MASTERS_FILE), path)
     file = path / _optimizer_file(per_rank)
     if not file.is_file():
         raise ValueError(f"checkpoint {path} has no {file.name}: it was written with another parallel layout; "

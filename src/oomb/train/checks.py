@@ -35,8 +35,9 @@ def check_model_fits(cfg: TrainConfig, device: torch.device, dp_size: int = 1) -
              trainable_params=0 if cfg.lora_rank else None,
              optimizer_bytes_per_param=2 if cfg.optimizer == "adamw8bit" else None,
              optimizer_shards=dp_size if zero else 1,
-             param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None)
-    need = p.weights + p.grads + p.optimizer
+             param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
+             master_weights=cfg.master_weights != "none")
+    need = p.weights + p.masters + p.grads + p.optimizer
     if device.type == "cuda":
         from ..memory.device import device_memory
 

@@ -161,6 +161,13 @@ class TrainConfig:
                                                "of 2; gradients as one full-sequence backward gives them); param: "
                                                "in the weights' dtype (bf16 sums: ~1e-2 relative error at 64 "
                                                "chunks, growing with their number)", choices=("float32", "param"))
+    master_weights: str = setting("none", "float32: the optimizer updates fp32 master copies of the bf16 trainable "
+                                          "weights (its state fp32 too: 4 + 8 B per parameter beside the bf16 "
+                                          "weights), and each step sets the weights to their masters rounded to "
+                                          "nearest, so updates below half a bf16 step accumulate; the layers, "
+                                          "kernels and pages still run in bf16. Needs --dtype bfloat16 (auto on "
+                                          "CUDA), full-parameter training, --optimizer adamw, tp=1",
+                                  choices=("none", "float32"))
     shard_optimizer: bool = setting(True, "data parallel with tp=1: each rank keeps 1/dp of AdamW's state (ZeRO-1)")
     lora_rank: int = setting(0, "> 0: train LoRA adapters of this rank on the attention and MLP projections only "
                                 "(0: full-parameter training)")
@@ -278,6 +285,15 @@ class TrainConfig:
         if self.float8 != "none" and self.tp > 1:
             raise ValueError(f"float8={self.float8!r} with tp={self.tp}: oomb's tensor-parallel plan splits plain "
                              "Linear layers, not float8 ones; train with tp=1 or float8='none'")
+        if self.master_weights != "none":
+            why = ("--dtype float32: the weights are already fp32" if self.dtype == "float32" else
+                   f"lora_rank={self.lora_rank}: LoRA's adapters are fp32 already" if self.lora_rank else
+                   "optimizer='adamw8bit': its stochastic rounding of bf16 weights is the other way to keep small "
+                   "updates; use --optimizer adamw" if self.optimizer == "adamw8bit" else
+                   f"tp={self.tp}: the masters are not built for tensor-parallel (DTensor) weights; use --tp 1"
+                   if self.tp > 1 else "")
+            if why:
+                raise ValueError(f"master_weights={self.master_weights!r} (fp32 copies of bf16 weights) with {why}")
         if self.optimizer == "adamw8bit" and self.tp > 1:  # torchao 0.18: its 8-bit state fails inside DTensor
             raise ValueError(f"optimizer='adamw8bit' with tp={self.tp}: torchao's 8-bit state does not run on "
                              "tensor-parallel (DTensor) weights; use --optimizer adamw with --tp, or --tp 1")

@@ -40,6 +40,7 @@ from .config import TrainConfig
 from .data import NeedleMix, make_data
 from .export import base_of
 from .interrupt import Interrupt, StepAbandoned, TrainingStopped
+from .master import MasterWeights, refusal
 from .metrics import StepLogger, chunk_progress, memory_now
 from .output_dir import open_output_dir, resolved_config, truncate_metrics, write_resolved
 
@@ -98,12 +99,13 @@ def engine_config(cfg, kernels: KernelOptions | None = None, **extra) -> EngineC
 
 def plan_args(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg) -> dict:
     """What oomb.plan.plan() needs of this run beside the engine's settings: this rank's
-    parameter counts, the optimizer state per trainable parameter, the weights' dtype, TP."""
+    parameter counts, the optimizer state per trainable parameter (of the fp32 masters with
+    master_weights), the weights' dtype, TP, and whether fp32 masters are kept."""
     params = list(model.parameters())
     trainable = sum(local_tensor(p).numel() for p in params if p.requires_grad)
     return dict(n_params=sum(local_tensor(p).numel() for p in params), trainable_params=trainable,
                 optimizer_bytes_per_param=-(-optimizer_state_bytes(optimizer) // max(1, trainable)),
-                dtype=params[0].dtype, tp=cfg.tp)
+                dtype=params[0].dtype, tp=cfg.tp, master_weights=cfg.master_weights != "none")
 
 
 def run_engine_config(cfg, model, device: torch.device, optimizer, kernels: KernelOptions | None = None
@@ -402,6 +404,7 @@ class Run:
     dp_size: int
     model: torch.nn.Module
     params: list  # the trainable parameters
+    masters: MasterWeights | None  # their fp32 masters, which the optimizer steps (master_weights)
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     engine: ChunkRecurrentEngine | None  # replaced when the first step is retried smaller
@@ -424,16 +427,19 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
     dp_rank, dp_size = (mesh["dp"].get_local_rank(), mesh["dp"].size()) if mesh is not None else (0, 1)
     device = torch.device("cuda", torch.cuda.current_device()) if distributed and torch.cuda.is_available() \
         else resolve_device("cpu" if distributed else cfg.device)
+    # ZeRO-1: with data parallelism each rank updates (and keeps AdamW's state for) 1/dp of the
+    # parameters, then broadcasts them: the memory saved goes to pages ('auto').
+    zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
+    if why := refusal(cfg, weight_dtype(cfg, device), zero):
+        raise ValueError(why)
     check_model_fits(cfg, device, dp_size)
     model = build_model(cfg, device)
     cpu_threads(model.config, device)
     if mesh is not None and cfg.tp > 1:
         apply_tensor_parallel(model, mesh["tp"])
     params = [p for p in model.parameters() if p.requires_grad]
-    # ZeRO-1: with data parallelism each rank updates (and keeps AdamW's state for) 1/dp of the
-    # parameters, then broadcasts them: the memory saved goes to pages ('auto').
-    zero = distributed and dp_size > 1 and cfg.tp == 1 and cfg.shard_optimizer
-    optimizer = make_optimizer(params, cfg, dp_group if zero else None)
+    masters = MasterWeights(model, cfg.param_grad_dtype == "float32") if cfg.master_weights != "none" else None
+    optimizer = make_optimizer(params if masters is None else masters.masters, cfg, dp_group if zero else None)
     settings, choice = run_engine_config(cfg, model, device, optimizer, kernels)
     compile_layers = settings.compile_layers
     if rank0 and choice is not None:
@@ -465,21 +471,23 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
     held_out = heldout_batches(cfg, vocab, dp_rank, needles if cfg.recall_pairs else None) if cfg.eval_every else []
     engine.reserve(cfg.batch, cfg.seq_len)  # pages (and pinned host memory) once, checked before step 1
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    step = checkpoint.load(cfg.resume, model, optimizer, scheduler, cfg) if cfg.resume else 0
+    step = checkpoint.load(cfg.resume, model, optimizer, scheduler, cfg, masters) if cfg.resume else 0
     if cfg.resume and rank0 and (note := resume_note(cfg, optimizer, scheduler)):
         print(note, flush=True)
     for _ in range(step * cfg.grad_accum):  # a resumed run sees the batches it would have seen
         next(data)
     run = Run(cfg=cfg, rank0=rank0, distributed=distributed, device=device, dp_group=dp_group,
               tp_group=mesh["tp"].get_group() if mesh is not None else None, dp_size=dp_size, model=model,
-              params=params, optimizer=optimizer, scheduler=scheduler, engine=engine, choice=choice, data=data,
+              params=params, masters=masters, optimizer=optimizer, scheduler=scheduler, engine=engine, choice=choice,
+              data=data,
               held_out=held_out, vocab=vocab, step=step)
 
-    frozen = lost_update_fraction(params, cfg.lr) if cfg.optimizer == "adamw" else 0.0
+    frozen = lost_update_fraction(params, cfg.lr) if cfg.optimizer == "adamw" and masters is None else 0.0
     if rank0 and frozen > 0.01:
         print(f"oomb train: warning: bf16 weights with torch's AdamW round away updates below half a bf16 step: at "
               f"lr={cfg.lr:g}, {100 * frozen:.1f} % of the trainable weights (|w| >= {512 * cfg.lr:.2g}) cannot "
-              "change; use --optimizer adamw8bit (stochastic rounding), --dtype float32 or --lora-rank",
+              "change; use --master-weights float32, --optimizer adamw8bit (stochastic rounding), --dtype float32 or "
+              "--lora-rank",
               flush=True)
     if rank0:
         print(first_line(run, how, zero, compile_layers), flush=True)
@@ -507,7 +515,8 @@ def first_line(run: Run, how: str, zero: bool, compile_layers: bool) -> str:
             f"{f'loss on the last {cfg.loss_last:,} tokens, ' if cfg.loss_last else ''}"
             f"{f'float8 {cfg.float8} layers, ' if cfg.float8 != 'none' else ''}"
             f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
-            f"optimizer {cfg.optimizer}{', fp32 gradient sums' if engine.summed_params() else ''}, "
+            f"optimizer {cfg.optimizer}{', fp32 master weights' if run.masters is not None else ''}"
+            f"{', fp32 gradient sums' if engine.summed_params() else ''}, "
             f"{cfg.steps} steps")
 
 
@@ -632,7 +641,7 @@ def train_step(run: Run, micro: list, interrupt: Interrupt, stop_group) -> StepR
                                                           progress=progress_of(bar), **positions(batch)).loss
             break
         except StepAbandoned:  # the engine has freed the step's pages; no parameter was updated
-            optimizer.zero_grad(set_to_none=True)  # what the step had added is dropped with it
+            run.model.zero_grad(set_to_none=True)  # what the step had added is dropped with it
             return None
         except torch.OutOfMemoryError as e:
             # The plan was wrong: the run's first step is retried one notch smaller
@@ -642,13 +651,17 @@ def train_step(run: Run, micro: list, interrupt: Interrupt, stop_group) -> StepR
             oom = str(e).splitlines()[0][:200]
         retry_smaller(run, oom)  # out of the except block, whose traceback held the failed step's tensors
     all_reduce_gradients(run.model, run.dp_group)
-    grad_norm = clip_grad_norm_(run.params, cfg.grad_clip, run.tp_group)
+    # master weights: the gradients move to the fp32 masters, which are clipped and stepped
+    stepped = run.params if run.masters is None else run.masters.take_grads()
+    grad_norm = clip_grad_norm_(stepped, cfg.grad_clip, run.tp_group)
     if run.distributed:
         dist.all_reduce(loss_t, group=run.dp_group)  # each rank's CE sum / the global count
     loss = float(loss_t)
     finite = math.isfinite(loss) and math.isfinite(grad_norm)  # the same on every rank
     if finite:
         optimizer.step()
+        if run.masters is not None:
+            run.masters.copy_back()
     run.scheduler.step()
     optimizer.zero_grad(set_to_none=True)
     if run.device.type == "cuda":
@@ -662,7 +675,7 @@ def retry_smaller(run: Run, oom: str) -> None:
     dropped, the engine freed and built again with oomb.auto's next smaller setting
     (replan_after_oom), its pages reserved, and config.yaml rewritten with what the run now runs."""
     cfg = run.cfg
-    run.optimizer.zero_grad(set_to_none=True)
+    run.model.zero_grad(set_to_none=True)
     run.engine = None  # the only reference: its pages are freed before the smaller engine takes its own
     run.choice = replan_after_oom(cfg, run.model, run.device, run.choice, run.optimizer, oom)
     run.engine = ChunkRecurrentEngine(run.model, run.choice.engine)
@@ -697,7 +710,8 @@ def save_checkpoint(run: Run, interrupt: Interrupt, step: int) -> str:
     if step not in run.saved:
         check_finite_weights(run.model, step, run.losses, cfg)
         t0 = time.perf_counter()
-        path = checkpoint.save(cfg.output_dir, step, run.model, run.optimizer, run.scheduler, cfg, write=run.rank0)
+        path = checkpoint.save(cfg.output_dir, step, run.model, run.optimizer, run.scheduler, cfg, write=run.rank0,
+                               masters=run.masters)
         run.saved[step] = str(path)
         run.save_s = time.perf_counter() - t0
         interrupt.newest_checkpoint = run.saved[step]
