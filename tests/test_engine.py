@@ -326,7 +326,7 @@ def test_kept_attention_skips_stage_twos_forward_with_identical_gradients(family
     assert calls0 - calls1 == 4 * (2 - 1) * (2 if kwargs.get("checkpoint_layers") else 1)
     from oomb.plan import plan  # counts what the engine checks for the kept outputs
     pages_per_chunk = 2  # chunk 32, page 16: 4 stored chunks
-    assert engine.memory.attention_bytes(engine.config, 1, 4 * pages_per_chunk) == plan(
+    assert engine.memory.attention_bytes(1, 4 * pages_per_chunk) == plan(
         model.config, 160, chunk_size=32, page_size=16, dtype=torch.float32, keep_attention=True).kept_attention
 
 
@@ -377,15 +377,15 @@ def test_kept_attention_split_between_gpu_and_host(monkeypatch):
                                            2, 32, 4, 16, 4)))
     pages = 4 * 2
     engine.store.place([0, 1, 2, 3])  # offload 'all': the staging buffers are what the GPU holds
-    room = engine.store.device_bytes(2, pages) + int(1.5 * engine.memory.attention_bytes(engine.config, 2, pages, 1))
+    room = engine.store.device_bytes(2, pages) + int(1.5 * engine.memory.attention_bytes(2, pages, 1))
     monkeypatch.setattr(engine.memory, "device", torch.device("cuda"))  # decides as on a GPU with this room
     monkeypatch.setattr(engine.memory, "headroom", lambda cfg: room)
     monkeypatch.setattr(engine.memory, "check", lambda *a: None)
     monkeypatch.setattr(engine.store, "begin_step", lambda *a: None)
     engine._begin_step(2, pages, training=True)
     assert engine.kept.layers == (0, 1) and engine.kept.host_layers == {1} and engine.kept.where == "gpu+host"
-    memory, cfg = engine.memory, engine.config
-    assert memory.kept_bytes(cfg, 2, pages) == memory.attention_bytes(cfg, 2, pages, 1)
+    memory = engine.memory
+    assert memory.kept_bytes(2, pages) == memory.attention_bytes(2, pages, 1)
     monkeypatch.undo()
 
     results = {}
@@ -414,7 +414,7 @@ def test_kept_attention_when_it_fits():
         assert engine.keeps_attention is (keep is None)
     assert all(torch.equal(grads[False][n], grads[None][n]) for n in grads[None])
     engine.evaluate(ids)
-    assert engine.keeps_attention is False and engine.memory.kept_bytes(engine.config, 1, 8) == 0
+    assert engine.keeps_attention is False and engine.memory.kept_bytes(1, 8) == 0
     engine.forward_backward(ids)
     assert engine.keeps_attention is True
     host = oomb.ChunkRecurrentEngine(model, chunk_size=32, page_size=16, offload="all", keep_attention=None,

@@ -354,7 +354,7 @@ def test_kept_attention_when_it_fits_on_the_gpu(wide_model):
         engine = oomb.ChunkRecurrentEngine(wide_model, chunk_size=1024, keep_attention=None,
                                            kept_host_bytes=host_bytes)
         pages = ids.shape[1] // engine.page_size
-        need, kept = engine.store.device_bytes(1, pages), engine.memory.attention_bytes(engine.config, 1, pages)
+        need, kept = engine.store.device_bytes(1, pages), engine.memory.attention_bytes(1, pages)
         assert kept > 2**27, "the outputs must take enough room for the boundary to mean something"
         room_now = engine.memory.headroom(engine.config)
         engine.config = engine.config.replace(reserved_gpu_bytes=room_now - need - int(room * kept))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oomb.memory.pool import PagePool, PoolExhausted
-from oomb.memory.spec import PageSpec
+from oomb.memory.spec import KVShape, PageSpec
 from oomb.memory.store import PagedKVStore
 
 
@@ -19,6 +19,25 @@ def test_spec_bytes_qwen25_7b():
 def test_spec_rejects_odd_page_size():
     with pytest.raises(ValueError, match="power of two"):
         PageSpec(page_size=100, n_kv_heads=1, head_dim=16, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gpt_oss", "gemma3", "mistral_window"])
+def test_plan_and_engine_build_one_kv_shape(family):
+    """The plan's KVShape (from a config) is the engine's (from the model): the same layer kinds,
+    pages, representatives and staging, so the plan counts what the engine allocates. Windows of
+    24 tokens keep 2 pages of 16 a chunk."""
+    import oomb
+    from tiny_models import make_model
+
+    model = make_model(family, layers=4)
+    config = oomb.EngineConfig(chunk_size=64, page_size=16, sparse=oomb.TopKPages(budget=2),
+                               kv_grad_dtype=torch.bfloat16)
+    engine = oomb.ChunkRecurrentEngine(model, config)
+    shape = KVShape.from_config(model.config, config, torch.float32)
+    assert engine.shape == shape and engine.store.shape is engine.shape
+    windowed = {"qwen2": (), "gpt_oss": (0, 2), "gemma3": (0, 2), "mistral_window": (0, 1, 2, 3)}[family]
+    assert shape.tail_pages == {i: 2 for i in windowed}
+    assert shape.full_layers == tuple(i for i in range(4) if i not in windowed)
 
 
 def test_pool_alloc_free_reuse():
@@ -51,7 +70,7 @@ def test_pool_double_free_is_a_bug():
 
 def test_store_roundtrip_and_grad_pages():
     spec = PageSpec(page_size=4, n_kv_heads=2, head_dim=3, dtype=torch.float32)
-    store = PagedKVStore(spec, n_layers=2, device="cpu")
+    store = PagedKVStore(KVShape(spec, windows=(0, 0), chunk_pages=2, query_heads=2), device="cpu")
     store.begin_step(batch=2, max_pages=4)
     store.alloc_chunk(0, first_page=0, n_pages=2)
     store.alloc_chunk(1, first_page=2, n_pages=2)

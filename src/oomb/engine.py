@@ -35,7 +35,7 @@ from .grad_sums import GradSums, summed_params
 from .loss import IGNORE_INDEX, ce_and_grad, head_loss, head_token_losses, shifted_targets, slice_tokens
 from .memory.kept import KeptAttention
 from .memory.schedule import HostLead, LookAhead
-from .memory.spec import PageSpec, ScheduledGroups, Selection, window_tail_pages
+from .memory.spec import KVShape, ScheduledGroups, Selection
 from .memory.step import StepMemory
 from .memory.store import PagedKVStore
 from .models import adapter_for
@@ -104,14 +104,10 @@ class ChunkRecurrentEngine:
         self._seq_len = 0  # of the step being computed
         self._docs: Documents | None = None  # its packed documents (position_ids), or None
         self._first_pages: list[int] = []  # packed: per chunk, the first page its queries can see
-        self.spec = PageSpec(page_size, self.adapter.local_kv_heads, self.adapter.head_dim, weight.dtype,
-                             config.kv_grad_dtype)
-        pages_per_chunk = config.pages_per_chunk
-        # Sliding-window layers keep only the pages of a chunk that a later window can reach.
-        tails = {i: window_tail_pages(w, page_size, pages_per_chunk)
-                 for i in range(self.adapter.n_layers) if (w := self.adapter.window(i))}
-        self.store = PagedKVStore(self.spec, self.adapter.n_layers, self.device, config.group_pages,
-                                  sparse, tails, pages_per_chunk, copy_engines=config.kernels.copy_engines,
+        # The K/V memory's layers and sizes, as the store, offload, the step's memory and the plan read them
+        self.shape = KVShape.from_adapter(self.adapter, config, weight.dtype)
+        self.spec = self.shape.page
+        self.store = PagedKVStore(self.shape, self.device, sparse, copy_engines=config.kernels.copy_engines,
                                   local_world_size=config.local_world_size)
         # Sparse: (chunk, layer) -> the pages it reads, chosen once, used by both stages
         self._selection: dict[tuple[int, int], Selection] = {}
@@ -296,7 +292,7 @@ class ChunkRecurrentEngine:
         for i, layer in enumerate(a.layers):
             attend = i < a.n_layers - 1 or full  # the last layer's output feeds nothing in stage 1
             q, k, v, groups = self._project(c, i, layer, h, *ropes[i], first_page, prefetch=attend, groups=ahead)
-            if self._probe is not None and first_page > 0 and not a.window(i):
+            if self._probe is not None and first_page > 0 and not self.shape.windows[i]:
                 self._probe(c, i, q, k, self._selection.get((c, i)),
                             functools.partial(self.store.earlier_keys, i, first_page))
             if store:
@@ -371,7 +367,7 @@ class ChunkRecurrentEngine:
     def _known_groups(self, c: int, i: int, n_pages: int) -> ScheduledGroups | None:
         """The groups of earlier pages layer i of chunk c reads, when they are known before its
         projections (dense; sparse with a kept selection), else None."""
-        window = self.adapter.window(i)
+        window = self.shape.windows[i]
         # Sliding-window layers attend densely to the few pages they reach; dense_layers to all.
         if self.sparse is None or window or i in self._dense_layers:
             # Packed: pages of documents that ended before the chunk's first one are never read.
@@ -425,11 +421,11 @@ class ChunkRecurrentEngine:
         cfg, memory = self.config, self.memory
         x = self.placement_input(batch, max_pages, training)
         decision = place(x)
-        full = [i for i in range(self.adapter.n_layers) if i not in self.store.tail_pages]
-        self.store.place(full[decision.device_layers:])
+        shape = self.shape
+        self.store.place(list(shape.full_layers[decision.device_layers:]))
         kept = memory.kept_order(cfg, training, max_pages)[: decision.kept]
-        self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // cfg.pages_per_chunk,
-                             (batch, memory.query_heads, self.chunk_size, self.adapter.head_dim), self.spec.dtype)
+        self.kept.begin_step(kept, kept[decision.kept_gpu:], max_pages // shape.chunk_pages,
+                             (batch, shape.query_heads, shape.chunk_size, shape.page.head_dim), shape.page.dtype)
         if x.kept_host_budget is not None and cfg.kept_host_bytes is None:
             memory.kept_host_budget = x.kept_host_budget  # the first step's, kept
         memory.check(cfg, batch, max_pages, decision.host_layers * x.layer_bytes)

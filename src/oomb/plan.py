@@ -14,7 +14,7 @@ import torch
 from . import placement
 from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import PageSpec, index_dtype, staged_slots, staging_bytes, window_tail_pages
+from .memory.spec import KVShape, head_dim_of, index_dtype
 from .models import adapter_class
 from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
@@ -43,7 +43,7 @@ class MemoryPlan:
     kept_layers: int = 0  # the layers they are of (every layer but the last); they are placed a layer at a time
     staged_pages: int = 1024  # pages of a staging buffer (two, with host layers): a dense group, a sparse selection
     # (a layer's pages, when fewer)
-    staging: int = 0  # device bytes a step with host layers stages them in (memory/spec.py staging_bytes)
+    staging: int = 0  # device bytes a step with host layers stages them in (memory/spec.py KVShape.staging_bytes)
 
     @property
     def working_set(self) -> int:
@@ -106,7 +106,7 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     not having been measured).
     """
     engine = EngineConfig(**options) if engine is None else engine.replace(**options)
-    chunk_size, page_size, sparse = engine.chunk_size, engine.page_size, engine.sparse
+    chunk_size, sparse = engine.chunk_size, engine.sparse
     checkpoint_layers, compiled = engine.checkpoint_layers, engine.compile_layers
     keep_attention, param_grad_dtype = engine.keep_attention is not False, engine.param_grad_dtype
     # an expert's width (Qwen3-MoE names it apart from its dense MLP's)
@@ -131,15 +131,14 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
     if optimizer_bytes_per_param is None:
         # exp_avg and exp_avg_sq, each like the parameter the optimizer steps (an fp32 master, or the weight)
         optimizer_bytes_per_param = 2 * (4 if master_weights else item)
-    spec = PageSpec(page_size, kv_heads, head_dim, dtype, engine.kv_grad_dtype)
+    shape = KVShape.from_config(config, engine, dtype, tp)  # the engine's page sizes and layer kinds
+    spec = shape.page
     n_chunks = -(-seq_len // chunk_size)
-    chunk_pages = chunk_size // page_size
-    stored_pages = (n_chunks - 1) * chunk_pages  # the last chunk is never stored
-    # Sliding-window layers keep only the pages of a chunk that a later window reaches (the engine's tails).
-    windows = [family.layer_window(config, i) for i in range(n_layers)]
-    n_full = sum(1 for w in windows if not w)
-    layer_pages = [stored_pages if not w else (n_chunks - 1) * window_tail_pages(w, page_size, chunk_pages)
-                   for w in windows]
+    stored_chunks = n_chunks - 1  # the last chunk is never stored
+    stored_pages = stored_chunks * shape.chunk_pages
+    # Pages all layers store, per sequence: a sliding-window layer only those of a chunk that a later
+    # window reaches (the engine's tails).
+    all_pages = stored_chunks * sum(shape.kept_pages(i, shape.chunk_pages) for i in range(n_layers))
     tokens = batch * min(chunk_size, seq_len)
     # Saved for backward per token and layer: norm inputs/outputs, q/k/v/o, attention output,
     # MLP gate/up/act inputs (bf16), plus the fp32 RMSNorm intermediates.
@@ -163,7 +162,6 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         # no fp32 intermediates: measured on the H200, 172 KiB a token and layer at the 7B shape
         # against this 171 KiB (the eager formula's 236; H200, 2026-12-01, 88a73cb).
         mlp, norms = 3 * inter, 0
-    staged = sparse.chunk_budget if sparse is not None else engine.group_pages
     per_token_layer = item * (6 * hidden + mlp + 2 * (heads + 2 * kv_heads) * head_dim) + norms
     return MemoryPlan(
         seq_len=seq_len, batch=batch,
@@ -171,8 +169,8 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         grads=trainable * max(item, torch.finfo(param_grad_dtype).bits // 8 if param_grad_dtype else 0),
         optimizer=-(-trainable * optimizer_bytes_per_param // optimizer_shards),
         masters=trainable * 4 if master_weights else 0,
-        kv_pages=sum(layer_pages) * batch * spec.kv_bytes,
-        grad_pages=sum(layer_pages) * batch * spec.grad_bytes,
+        kv_pages=all_pages * batch * spec.kv_bytes,
+        grad_pages=all_pages * batch * spec.grad_bytes,
         # checkpoint_layers: one layer's activations, plus every layer's input (the checkpoints)
         chunk_activations=tokens * (per_token_layer + n_layers * hidden * item if checkpoint_layers
                                     else n_layers * per_token_layer),
@@ -181,33 +179,24 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
         head_logit_grads=tokens * vocab * item if trainable_params is None else 0,
         embedding_grad=vocab * hidden * item if trainable_params is None else 0,
         page_bytes=spec.page_bytes,
-        full_layers=n_full,
-        window_pages=sum(n for n, w in zip(layer_pages, windows) if w) * batch * spec.page_bytes,
-        kept_attention=kept_attention_bytes(n_chunks - 1, n_layers - 1, batch, chunk_size, heads, head_dim, item)
-                       if keep_attention else 0,
+        full_layers=len(shape.full_layers),
+        window_pages=shape.window_bytes(batch, stored_chunks),
+        kept_attention=shape.kept_attention_bytes(stored_chunks, n_layers - 1, batch) if keep_attention else 0,
         kept_layers=n_layers - 1 if keep_attention else 0,
-        staged_pages=staged_slots(staged, stored_pages),
-        staging=staging_bytes(staged, stored_pages, batch, spec.page_bytes,
-                              sparse.rep_size * kv_heads * head_dim * item if sparse is not None else 0),
-        **_sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item, n_full),
+        staged_pages=shape.staged_slots(stored_pages),
+        staging=shape.staging_bytes(batch, stored_pages),
+        **_sparse_bytes(sparse, shape, seq_len, batch, n_chunks),
     )
 
 
-def kept_attention_bytes(stored_chunks: int, kept_layers: int, batch: int, chunk_size: int, heads: int,
-                         head_dim: int, item: int) -> int:
-    """What keep_attention holds for `kept_layers` layers (at most every layer but the last: stage
-    1 stops at its K/V): each stored chunk's attention output (item bytes) and fp32 LSE."""
-    return stored_chunks * kept_layers * batch * chunk_size * heads * (head_dim * item + 4)
-
-
-def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_heads, head_dim, item,
-                  n_full) -> dict:
+def _sparse_bytes(sparse, shape: KVShape, seq_len: int, batch: int, n_chunks: int) -> dict:
     """Representatives of every stored page, and each chunk's selection (memory/spec.Selection:
     int32 candidates, per-block picks in index_dtype; their counts as attention/policy.py states
     them), full layers."""
     if sparse is None:
         return {}
-    reps = (n_chunks - 1) * chunk_pages * batch * kv_heads * sparse.rep_size * head_dim * item
+    chunk_size, chunk_pages, kv_heads = shape.chunk_size, shape.chunk_pages, shape.page.n_kv_heads
+    reps = (n_chunks - 1) * chunk_pages * batch * shape.rep_bytes
     chosen = 0
     for c in range(n_chunks):
         earlier = c * chunk_pages
@@ -217,6 +206,7 @@ def _sparse_bytes(sparse, seq_len, batch, chunk_size, n_chunks, chunk_pages, kv_
         index = index_dtype(cand).itemsize
         blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
         chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
+    n_full = len(shape.full_layers)
     return {"representatives": n_full * reps, "selections": n_full * chosen}
 
 
@@ -247,11 +237,6 @@ def _count_params_json(config_json: str) -> tuple[int, int]:
     params = dict(model.named_parameters())
     split = sum(p.numel() for name, p in params.items() if name.split(".")[-2] in TP_SPLIT)
     return sum(p.numel() for p in params.values()), split
-
-
-def head_dim_of(config) -> int:
-    """A transformers config's attention head size (explicit, or hidden / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def lora_params(config, rank: int, tp: int = 1, targets: tuple[str, ...] | None = None) -> int:

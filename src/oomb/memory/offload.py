@@ -49,7 +49,7 @@ import torch
 
 from .dma import batch_copier, copy_rows, row_copies
 from .pinned import empty_pinned
-from .spec import LayerPages, PageSpec, ScheduledGroups, staged_slots, staging_bytes
+from .spec import KVShape, LayerPages, ScheduledGroups
 
 
 class HostLayer(NamedTuple):
@@ -73,13 +73,13 @@ class Staged(NamedTuple):
 
 
 class HostPages:
-    def __init__(self, spec: PageSpec, layers: list[int], device: torch.device, group_pages: int,
-                 rep_size: int = 0, copy_engines: bool = True, local_ranks: int = 1) -> None:
-        self.spec = spec
-        self.rep_size = rep_size  # vectors per page and KV head of sparse representatives (0: dense)
+    def __init__(self, shape: KVShape, layers: list[int], device: torch.device, copy_engines: bool = True,
+                 local_ranks: int = 1) -> None:
+        self.shape, self.spec = shape, shape.page
+        self.rep_size = shape.rep_size  # vectors per page and KV head of sparse representatives (0: dense)
         self.layers = layers
         self.device = torch.device(device)
-        self.group_pages = group_pages
+        self.group_pages = shape.staged_pages  # a dense group, or a sparse selection's pages at most
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None  # host -> GPU
         self.d2h_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -103,14 +103,8 @@ class HostPages:
 
     # -- sizes ----------------------------------------------------------------------------
 
-    @property
-    def rep_bytes(self) -> int:
-        """Bytes of one page's representatives (all KV heads)."""
-        s = self.spec
-        return self.rep_size * s.n_kv_heads * s.head_dim * s.dtype.itemsize
-
     def host_bytes(self, batch: int, max_pages: int) -> int:
-        return len(self.layers) * batch * max_pages * (self.spec.page_bytes + self.rep_bytes)
+        return len(self.layers) * batch * max_pages * self.shape.layer_page_bytes
 
     @property
     def arena_bytes(self) -> int:
@@ -120,7 +114,7 @@ class HostPages:
     def staging_bytes(self, batch: int, max_pages: int) -> int:
         if not self.layers:
             return 0
-        return staging_bytes(self.group_pages, max_pages, batch, self.spec.page_bytes, self.rep_bytes)
+        return self.shape.staging_bytes(batch, max_pages)
 
     def begin_step(self, batch: int, max_pages: int) -> None:
         if not self.layers:
@@ -140,7 +134,7 @@ class HostPages:
                           for layer in self.layers}
             if self.rep_size:
                 self.rep_staging = torch.empty(reps, dtype=s.dtype, device=self.device)
-            n = staged_slots(self.group_pages, max_pages)
+            n = self.shape.staged_slots(max_pages)
             slots = (n * batch, s.n_kv_heads, s.page_size, s.head_dim)
             self.staging = [Staged(*(torch.empty(slots, dtype=dt, device=self.device) for dt in dtypes))
                             for _ in range(2)]

@@ -1,12 +1,19 @@
-"""The frozen shape of one page (what it holds, how many bytes it takes), the views attention
-reads of a layer's pages, and a chunk's sparse-attention selection."""
+"""The frozen shape of one page (what it holds, how many bytes it takes) and of a model's K/V
+memory (its layers' kinds, what each stores), the views attention reads of a layer's pages, and a
+chunk's sparse-attention selection."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from collections.abc import Iterator
-from typing import NamedTuple, Protocol
+from functools import cached_property
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
+
+from ..models import adapter_class
+
+if TYPE_CHECKING:
+    from ..config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -57,22 +64,121 @@ class PageSpec:
         return self.kv_bytes + self.grad_bytes
 
 
-def window_tail_pages(window: int, page_size: int, pages_per_chunk: int) -> int:
-    """Pages of each chunk a sliding-window layer keeps: the last ones a later query's window of
-    `window` tokens can reach (the engine's store and the memory plan both count these)."""
-    return min(pages_per_chunk, -(-(window - 1) // page_size))
+@dataclass(frozen=True)
+class KVShape:
+    """What a model's K/V memory is made of under one EngineConfig, layer by layer, built once
+    (from_adapter for the engine, from_config for `oomb plan`) and read by all that size it: the
+    engine, its page store (memory/store.py), host offload (memory/offload.py), the step's memory
+    (memory/step.py: placement's input, the room, the checks) and the plan (plan.py), so that the
+    plan counts the bytes the engine allocates.
+
+    A layer is of one of two kinds. Full attention: every page of a stored chunk is kept, with the
+    sparse representatives, on the device or the host. Sliding window (`windows[i]` tokens): only
+    each chunk's last `tail_pages[i]` pages, which a later query's window can reach, always on the
+    device. (Attention-sink logits, GPT-OSS's, are parameters: they take no page memory.) Heads are
+    this rank's under tensor parallelism.
+    """
+
+    page: PageSpec
+    windows: tuple[int, ...]  # per layer: its sliding window in tokens, 0 for full attention
+    chunk_pages: int  # pages per chunk (EngineConfig.pages_per_chunk)
+    query_heads: int  # attention heads (the kept attention outputs are theirs)
+    rep_size: int = 0  # sparse: representative vectors per page and KV head (0: dense, or a policy without)
+    # pages a host layer stages at a time: with sparse attention a selection's worth (chunk_budget;
+    # its dense layers, SparsePolicy.dense_set, too), else group_pages (sliding-window layers never
+    # go to the host)
+    staged_pages: int = 1024
+
+    @classmethod
+    def from_adapter(cls, adapter, engine: EngineConfig, dtype: torch.dtype) -> KVShape:
+        """The shape of an adapted model (models/): its layers' windows, the KV heads this process
+        computes (read off its weights: all of them, or its tensor-parallel share)."""
+        kv_heads = adapter.local_kv_heads
+        windows = tuple(adapter.window(i) for i in range(adapter.n_layers))
+        return cls._build(engine, dtype, windows, kv_heads, kv_heads * (adapter.n_heads // adapter.n_kv_heads),
+                          adapter.head_dim)
+
+    @classmethod
+    def from_config(cls, config, engine: EngineConfig, dtype: torch.dtype, tp: int = 1) -> KVShape:
+        """The shape of the model a transformers `config` describes (no model needed), on one rank
+        of tensor-parallel degree `tp` (1/tp of its heads)."""
+        family = adapter_class(config)
+        windows = tuple(family.layer_window(config, i) for i in range(config.num_hidden_layers))
+        return cls._build(engine, dtype, windows, config.num_key_value_heads // tp, config.num_attention_heads // tp,
+                          head_dim_of(config))
+
+    @classmethod
+    def _build(cls, engine: EngineConfig, dtype: torch.dtype, windows: tuple[int, ...], kv_heads: int,
+               query_heads: int, head_dim: int) -> KVShape:
+        """The shape under `engine` of a model of these layers and this rank's heads."""
+        sparse = engine.sparse
+        return cls(PageSpec(engine.page_size, kv_heads, head_dim, dtype, engine.kv_grad_dtype), windows,
+                   engine.pages_per_chunk, query_heads, rep_size=sparse.rep_size if sparse is not None else 0,
+                   staged_pages=sparse.chunk_budget if sparse is not None else engine.group_pages)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.windows)
+
+    @property
+    def chunk_size(self) -> int:
+        """Tokens per chunk."""
+        return self.chunk_pages * self.page.page_size
+
+    @cached_property
+    def tail_pages(self) -> dict[int, int]:
+        """Sliding-window layer -> pages of each chunk it keeps: the last ones a later query's
+        window can reach."""
+        page_size = self.page.page_size
+        return {i: min(self.chunk_pages, -(-(w - 1) // page_size)) for i, w in enumerate(self.windows) if w}
+
+    @cached_property
+    def full_layers(self) -> tuple[int, ...]:
+        """The full-attention layers: those whose pages may go to the host, and that keep sparse
+        representatives."""
+        return tuple(i for i, w in enumerate(self.windows) if not w)
+
+    def kept_pages(self, layer: int, n_pages: int) -> int:
+        """Pages of a chunk of `n_pages` that `layer` stores."""
+        return min(n_pages, self.tail_pages.get(layer, n_pages))
+
+    @property
+    def rep_bytes(self) -> int:
+        """Bytes of one page's sparse representatives (all KV heads)."""
+        p = self.page
+        return self.rep_size * p.n_kv_heads * p.head_dim * _itemsize(p.dtype)
+
+    @property
+    def layer_page_bytes(self) -> int:
+        """Bytes of one page of a full-attention layer: K, V, dK, dV and the sparse representatives."""
+        return self.page.page_bytes + self.rep_bytes
+
+    def window_bytes(self, batch: int, stored_chunks: int) -> int:
+        """Bytes of the sliding-window layers' pages for `stored_chunks` chunks of `batch` sequences."""
+        return stored_chunks * batch * sum(self.tail_pages.values()) * self.page.page_bytes
+
+    def staged_slots(self, max_pages: int) -> int:
+        """Pages a host layer's GPU staging buffer holds (memory/offload.py): a group (dense) or a
+        selection (sparse), or all of a layer's `max_pages` pages when fewer; at least one."""
+        return max(1, min(self.staged_pages, max_pages))
+
+    def staging_bytes(self, batch: int, max_pages: int) -> int:
+        """Device bytes a step with host layers stages their pages in: two buffers of
+        `staged_slots` pages per sequence and one layer's representatives."""
+        return 2 * self.staged_slots(max_pages) * batch * self.page.page_bytes + batch * max_pages * self.rep_bytes
+
+    def kept_attention_bytes(self, stored_chunks: int, kept_layers: int, batch: int) -> int:
+        """What keep_attention holds on the device for `kept_layers` layers (at most every layer
+        but the last: stage 1 stops at its K/V): each stored chunk's attention output (B, H, C, D)
+        in the model's dtype and its fp32 LSE. (Pinned host entries are aligned: memory/kept.py.)"""
+        p = self.page
+        return stored_chunks * kept_layers * batch * self.chunk_size * self.query_heads * (
+            p.head_dim * _itemsize(p.dtype) + 4)
 
 
-def staged_slots(group_pages: int, max_pages: int) -> int:
-    """Pages a host layer's GPU staging buffer holds (memory/offload.py): a group (dense) or a
-    selection (sparse), or all of a layer's `max_pages` pages when fewer; at least one."""
-    return max(1, min(group_pages, max_pages))
-
-
-def staging_bytes(staged_pages: int, max_pages: int, batch: int, page_bytes: int, rep_bytes: int = 0) -> int:
-    """Device bytes a step with host layers stages their pages in: two buffers of `staged_slots`
-    pages per sequence (a group, or a sparse selection; offload.py) and one layer's representatives."""
-    return 2 * staged_slots(staged_pages, max_pages) * batch * page_bytes + batch * max_pages * rep_bytes
+def head_dim_of(config) -> int:
+    """A transformers config's attention head size (explicit, or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _itemsize(dtype: torch.dtype) -> int:

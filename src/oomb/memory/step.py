@@ -3,12 +3,12 @@ the check that refuses a step the memory cannot hold before anything is computed
 
 The device's room for pages and kept attention outputs is measured once, at the engine's first
 step (or reserve()), and kept, so that every step places its pages alike and the pinned host
-arenas are reused, not pinned again; so is the host budget of kept outputs. `oomb plan` gives
-place() the same numbers computed from a config (plan.py), so the plan describes the step the
-engine runs.
+arenas are reused, not pinned again; so is the host budget of kept outputs. The sizes are the
+store's KVShape's (memory/spec.py); `oomb plan` gives place() the same numbers from the KVShape
+it builds from a config (plan.py), so the plan describes the step the engine runs.
 
-Every method takes the engine's config as it is at the call: a caller may replace it between
-steps (a page budget for one step, a reserve for what is still to come).
+The methods that read the engine's config take it as it is at the call: a caller may replace it
+between steps (a page budget for one step, a reserve for what is still to come).
 """
 from __future__ import annotations
 
@@ -21,11 +21,10 @@ from ..config import EngineConfig
 from ..grad_sums import summed_params
 from ..parallel import local_tensor
 from ..placement import PlacementInput, human_bytes, place
-from ..plan import gpu_margin, kept_attention_bytes, plan
+from ..plan import gpu_margin, plan
 from .device import device_memory
 from .kept import KeptAttention
 from .pinned import available_host_bytes
-from .spec import staging_bytes
 from .store import PagedKVStore
 
 HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (the process, the OS)
@@ -33,21 +32,16 @@ HOST_MARGIN_BYTES = 4 * 2**30  # host memory kept attention outputs leave free (
 
 class StepMemory:
     """The memory of an engine's steps: the model's, its adapter's (models/), its page store's
-    and its kept attention outputs', on `device`."""
+    (sized by the store's KVShape) and its kept attention outputs', on `device`."""
 
     def __init__(self, model: nn.Module, adapter, store: PagedKVStore, kept: KeptAttention,
                  device: torch.device) -> None:
         self.model, self.adapter, self.store, self.kept, self.device = model, adapter, store, kept, device
+        self.shape = store.shape
         # Measured at the first step and kept: the device bytes free for pages and kept outputs,
         # and the host bytes kept outputs may pin.
         self.gpu_room: int | None = None
         self.kept_host_budget: int | None = None
-
-    @property
-    def query_heads(self) -> int:
-        """This rank's query heads (all of them without tensor parallelism)."""
-        a = self.adapter
-        return a.local_kv_heads * (a.n_heads // a.n_kv_heads)
 
     def pinned_bytes(self) -> int:
         """Pinned host memory held: the host pages' arena and kept attention outputs."""
@@ -56,19 +50,19 @@ class StepMemory:
     def placement_input(self, cfg: EngineConfig, batch: int, max_pages: int, training: bool = True) -> PlacementInput:
         """A step of `batch` sequences and `max_pages` stored pages, as numbers for
         placement.place(): its sizes, and on a GPU the room measured at the first step."""
-        a, store, spec = self.adapter, self.store, self.store.spec
-        n_chunks = max_pages // cfg.pages_per_chunk
+        shape, spec = self.shape, self.shape.page
+        n_chunks = max_pages // shape.chunk_pages
         cuda = self.device.type == "cuda"
         if cuda and self.gpu_room is None:
             self.gpu_room = self.headroom(cfg)
         kept = self.kept_order(cfg, training, max_pages)
-        entry = KeptAttention.entry_bytes(batch, cfg.chunk_size, self.query_heads, a.head_dim, spec.dtype.itemsize)
-        windows = sum(store.kept(i, cfg.pages_per_chunk) for i in store.tail_pages)
+        entry = KeptAttention.entry_bytes(batch, shape.chunk_size, shape.query_heads, spec.head_dim,
+                                          spec.dtype.itemsize)
         pages = PlacementInput(
-            offload=cfg.offload, full_layers=a.n_layers - len(store.tail_pages),
-            layer_bytes=batch * max_pages * store.layer_page_bytes,
-            window_bytes=batch * n_chunks * windows * spec.page_bytes,
-            staging_bytes=staging_bytes(store.staged_pages, max_pages, batch, spec.page_bytes, store.host.rep_bytes),
+            offload=cfg.offload, full_layers=len(shape.full_layers),
+            layer_bytes=batch * max_pages * shape.layer_page_bytes,
+            window_bytes=shape.window_bytes(batch, n_chunks),
+            staging_bytes=shape.staging_bytes(batch, max_pages),
             gpu_room=self.gpu_room if cuda else None, page_budget=cfg.gpu_page_budget_bytes,
             held_bytes=self._pool_bytes if cuda else 0)
         if not kept:
@@ -78,7 +72,7 @@ class StepMemory:
             budget = self._free_host_budget(cfg, place(pages).host_bytes)
         return dataclasses.replace(
             pages, kept_layers=len(kept),
-            kept_gpu_bytes=self.attention_bytes(cfg, batch, max_pages, 1) if cuda else 0,
+            kept_gpu_bytes=self.attention_bytes(batch, max_pages, 1) if cuda else 0,
             kept_host_bytes=KeptAttention.host_bytes(n_chunks, entry), kept_host_budget=budget,
             keep_all=cfg.keep_attention is True)
 
@@ -86,10 +80,10 @@ class StepMemory:
         """The layers whose stage-1 attention outputs a step may keep, in order of preference:
         every layer but the last (stage 1 stops at its K/V), full-attention layers first (a
         window's attention is cheap to recompute); none when evaluating or keep_attention=False."""
-        a = self.adapter
-        if not training or cfg.keep_attention is False or max_pages < cfg.pages_per_chunk:
+        shape = self.shape
+        if not training or cfg.keep_attention is False or max_pages < shape.chunk_pages:
             return []
-        return sorted(range(a.n_layers - 1), key=lambda i: (bool(a.window(i)), i))
+        return sorted(range(shape.n_layers - 1), key=lambda i: (bool(shape.windows[i]), i))
 
     def _free_host_budget(self, cfg: EngineConfig, host_pages: int) -> int:
         """Host bytes kept attention outputs may pin by default: half of what is free besides the
@@ -151,7 +145,7 @@ class StepMemory:
                     "GPU) or sparse attention."
                 )
         if self.device.type == "cuda" and cfg.offload != "auto":
-            kept = self.kept_bytes(cfg, batch, max_pages)
+            kept = self.kept_bytes(batch, max_pages)
             need = store.device_bytes(batch, max_pages) - pool_now + kept
             free = self.free_gpu_bytes()
             if need > free:
@@ -162,15 +156,14 @@ class StepMemory:
                     "kv_grad_dtype=torch.bfloat16"
                 )
 
-    def kept_bytes(self, cfg: EngineConfig, batch: int, max_pages: int) -> int:
+    def kept_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the attention outputs and LSEs stage 1 keeps on the GPU (keep_attention),
         of this rank's query heads."""
-        return self.attention_bytes(cfg, batch, max_pages, len(self.kept.layers) - len(self.kept.host_layers))
+        return self.attention_bytes(batch, max_pages, len(self.kept.layers) - len(self.kept.host_layers))
 
-    def attention_bytes(self, cfg: EngineConfig, batch: int, max_pages: int, n_layers: int | None = None) -> int:
+    def attention_bytes(self, batch: int, max_pages: int, n_layers: int | None = None) -> int:
         """What keeping the attention outputs and LSEs of n_layers (default: every layer but the
         last) takes (this rank's query heads)."""
-        a = self.adapter
-        n_layers = a.n_layers - 1 if n_layers is None else n_layers
-        return kept_attention_bytes(max_pages // cfg.pages_per_chunk, n_layers, batch, cfg.chunk_size,
-                                    self.query_heads, a.head_dim, self.store.spec.dtype.itemsize)
+        shape = self.shape
+        n_layers = shape.n_layers - 1 if n_layers is None else n_layers
+        return shape.kept_attention_bytes(max_pages // shape.chunk_pages, n_layers, batch)

@@ -22,39 +22,35 @@ import torch
 
 from .offload import HostPages
 from .pool import PagePool
-from .spec import LayerPages, PageSpec, ScheduledGroups, Selection
+from .spec import KVShape, LayerPages, ScheduledGroups, Selection
 
 
 class PagedKVStore:
-    def __init__(self, spec: PageSpec, n_layers: int, device: torch.device, group_pages: int = 1024,
-                 sparse=None, tail_pages: dict[int, int] | None = None, chunk_pages: int = 0,
-                 copy_engines: bool = True, local_world_size: int = 1) -> None:
-        """sparse: the SparsePolicy (attention/policy.py) whose page representatives the store
-        keeps and whose chunk_budget a host layer stages, or None (dense)."""
-        self.spec = spec
-        self.tail_pages = tail_pages or {}  # sliding-window layer -> pages kept per chunk
+    def __init__(self, shape: KVShape, device: torch.device, sparse=None, copy_engines: bool = True,
+                 local_world_size: int = 1) -> None:
+        """shape: the model's K/V memory (its pages, which layers are windowed and what they keep,
+        the representatives' size, the pages a host layer stages). sparse: the SparsePolicy
+        (attention/policy.py) whose page representatives the store makes (the one `shape` was
+        built with), or None (dense)."""
+        self.shape = shape
+        self.spec = spec = shape.page
+        self.tail_pages = shape.tail_pages  # sliding-window layer -> pages kept per chunk
         # Sparse attention: a representative per page and KV head (a few KiB a page), logically
         # indexed, (device layers, B, max_pages, Hkv, R, D); host layers keep theirs on the host.
         self.sparse = sparse
-        self.rep_size = sparse.rep_size if sparse is not None else 0
+        self.rep_size = shape.rep_size
         self.reps = None
-        self.n_layers = n_layers
+        self.n_layers = n_layers = shape.n_layers
         self.device = torch.device(device)
-        self.group_pages = group_pages  # pages attended per kernel call (and moved per transfer)
-        self.chunk_pages = chunk_pages  # pages per chunk
         self.pool = PagePool(0, spec.page_bytes)
-        shape = (0, spec.n_kv_heads, spec.page_size, spec.head_dim)
-        self.k = torch.empty(shape, dtype=spec.dtype, device=self.device)
+        self.k = torch.empty((0, spec.n_kv_heads, spec.page_size, spec.head_dim), dtype=spec.dtype,
+                             device=self.device)
         self.v = torch.empty_like(self.k)
         self.dk = self.dv = None  # gradient pools (None without gradient pages)
         self.table = torch.empty((n_layers, 0, 0), dtype=torch.int32, device=self.device)
-        # A host layer stages one group at a time: a sparse one its selection (chunk_budget pages at
-        # most), a dense one group_pages (the dense layers of a sparse model, SparsePolicy.dense_set,
-        # a selection's worth of pages at a time; its sliding-window layers never go to the host).
-        self.staged_pages = sparse.chunk_budget if sparse is not None else group_pages
         # how host pages are pinned and moved (config.KernelOptions.copy_engines, EngineConfig.local_world_size)
         self._host_options = dict(copy_engines=copy_engines, local_ranks=local_world_size)
-        self.host = HostPages(spec, [], self.device, self.staged_pages, self.rep_size, **self._host_options)
+        self.host = HostPages(shape, [], self.device, **self._host_options)
         self._row = {layer: layer for layer in range(n_layers)}  # device layer -> table row
         self._rep_row = self._rep_rows()  # full device layer -> row of self.reps
         self._chunk_slots: dict[int, list[int]] = {}
@@ -67,8 +63,7 @@ class PagedKVStore:
         # A step that needs fewer host layers (a shorter one) keeps the arena pinned for the
         # longer ones: pinning costs ~0.5 s per GiB, the unused pinned pages cost nothing on the GPU.
         if not set(host_layers) <= set(self.host.layers):
-            self.host = HostPages(self.spec, host_layers, self.device, self.staged_pages, self.rep_size,
-                                  **self._host_options)
+            self.host = HostPages(self.shape, host_layers, self.device, **self._host_options)
         device_layers = [layer for layer in range(self.n_layers) if layer not in set(host_layers)]
         self._row = {layer: i for i, layer in enumerate(device_layers)}
         self._rep_row = self._rep_rows()
@@ -108,23 +103,20 @@ class PagedKVStore:
 
     @property
     def layer_page_bytes(self) -> int:
-        """Bytes of one page of one layer: K, V, dK, dV and the sparse representatives."""
-        return self.spec.page_bytes + self.host.rep_bytes
-
-    def kept(self, layer: int, n_pages: int) -> int:
-        """Pages of a chunk of n_pages that `layer` stores."""
-        return min(n_pages, self.tail_pages.get(layer, n_pages))
+        """Bytes of one page of one full-attention layer: K, V, dK, dV and the sparse representatives."""
+        return self.shape.layer_page_bytes
 
     def device_pages(self, batch: int, max_pages: int) -> int:
         """Pool slots a step needs: full layers keep every page, windowed ones their tails."""
         if not self.tail_pages:
             return len(self._row) * batch * max_pages
-        n_chunks = max_pages // self.chunk_pages
-        return sum(batch * n_chunks * self.kept(layer, self.chunk_pages) for layer in self._row)
+        chunk_pages = self.shape.chunk_pages
+        n_chunks = max_pages // chunk_pages
+        return sum(batch * n_chunks * self.shape.kept_pages(layer, chunk_pages) for layer in self._row)
 
     def device_bytes(self, batch: int, max_pages: int) -> int:
         """Device bytes of the pool for a step, plus the host layers' staging buffers."""
-        reps = len(self._rep_row) * batch * max_pages * self.host.rep_bytes
+        reps = len(self._rep_row) * batch * max_pages * self.shape.rep_bytes
         return self.device_pages(batch, max_pages) * self.spec.page_bytes + reps + self.host.staging_bytes(batch, max_pages)
 
     # -- per chunk ------------------------------------------------------------------------
@@ -132,7 +124,7 @@ class PagedKVStore:
     def alloc_chunk(self, chunk: int, first_page: int, n_pages: int) -> None:
         """Allocate pages [first_page, first_page + n_pages) of every device layer and sequence."""
         rows, batch = self.table.shape[:2]
-        counts = [self.kept(layer, n_pages) for layer in self._row]
+        counts = [self.shape.kept_pages(layer, n_pages) for layer in self._row]
         ids = self.pool.alloc(batch * sum(counts))
         self._chunk_slots[chunk] = ids
         slots = torch.full((rows, batch, n_pages), -1, dtype=torch.int32)
@@ -166,7 +158,7 @@ class PagedKVStore:
         if self.rep_size and layer not in self.tail_pages:  # sliding-window layers attend densely
             reps = self.sparse.representatives(k, n_pages)
             self.reps[self._rep_row[layer], :, first_page : first_page + n_pages] = reps
-        skip = n_pages - self.kept(layer, n_pages)  # a windowed layer's pages no window reaches
+        skip = n_pages - self.shape.kept_pages(layer, n_pages)  # a windowed layer's pages no window reaches
         k, v = k[:, :, skip * self.spec.page_size :], v[:, :, skip * self.spec.page_size :]
         first_page, n_pages = first_page + skip, n_pages - skip
         slots = self.table[self._row[layer], :, first_page : first_page + n_pages].long()  # (B, n)
@@ -190,9 +182,9 @@ class PagedKVStore:
         extra = {"window": window, "q_start": q_start, **_document_fields(docs)}
         if layer not in self._row:
             return self.host.page_groups(layer, first, n_pages, extra)
-        # staged_pages: the dense layers of a sparse model group as their host copies must (a
+        # shape.staged_pages: the dense layers of a sparse model group as their host copies must (a
         # selection's worth), so every offload mode reads them alike (bitwise-equal gradients).
-        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.staged_pages)
+        return _PoolGroups(self, self.table[self._row[layer], :, :n_pages], first, extra, self.shape.staged_pages)
 
     def selected_groups(self, layer: int, n_pages: int, selection: Selection, block_queries: int,
                         copy_engines: bool = False, docs=None) -> ScheduledGroups:
@@ -243,7 +235,7 @@ class PagedKVStore:
             return self.host.chunk_grads(layer, first_page, n_pages)
 
         def ready() -> tuple[torch.Tensor, torch.Tensor]:
-            kept = self.kept(layer, n_pages)
+            kept = self.shape.kept_pages(layer, n_pages)
             slots = self.table[self._row[layer], :, first_page + n_pages - kept : first_page + n_pages].long()
             dk, dv = from_pages(self.dk[slots]), from_pages(self.dv[slots])
             if kept < n_pages:  # pages never stored received no gradient
