@@ -344,7 +344,7 @@ def evaluate(study: Study, model, held, task: str, budget: int, dense: str) -> d
     from oomb.eval.loss import mean_loss
     from oomb.data.recall import RecallTask, evaluation_sequences
     from oomb.data.tokens import windows
-    from oomb.train.trainer import parse_layers
+    from oomb.units import parse_layers
 
     sparse = TopKPages(budget=study.pages(budget), dense_layers=parse_layers(dense),
                        sink_pages=1) if budget else None

@@ -284,7 +284,7 @@ def test_budget_above_256_needs_no_chunk_budget():
     selects among 300 of 400 pages (more than uint8 indexes: int16 picks); so does the trainer's
     --sparse-budget 300 without --sparse-chunk-budget."""
     from oomb.train.config import TrainConfig
-    from oomb.train.trainer import sparse_config
+    from oomb.attention.policy import build_policy
 
     assert oomb.TopKPages(budget=8).chunk_budget == 256 and oomb.TopKPages(budget=300).chunk_budget == 300
     assert oomb.TopKPages(budget=300, chunk_budget=320).chunk_budget == 320
@@ -293,5 +293,5 @@ def test_budget_above_256_needs_no_chunk_budget():
     sel = select_pages(torch.randn(1, 2, 8, 8), page_representatives(k, 400, "mean"), cfg)
     assert sel.pages.shape == (1, 300) and sel.blocks.shape == (1, 1, 2, 300) and sel.blocks.dtype == torch.int16
     assert sel.logical()[..., 0].eq(0).all()  # the sink page, in every block
-    assert sparse_config(TrainConfig(sparse_budget=300)) == oomb.TopKPages(budget=300)
-    assert sparse_config(TrainConfig(sparse_budget=8)).chunk_budget == 256
+    assert build_policy(TrainConfig(sparse_budget=300)) == oomb.TopKPages(budget=300)
+    assert build_policy(TrainConfig(sparse_budget=8)).chunk_budget == 256

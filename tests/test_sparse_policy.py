@@ -127,3 +127,31 @@ class Narrow(RecentPages):
     @property
     def chunk_budget(self) -> int:
         return 2
+
+
+def test_a_registered_policy_trains_through_oomb_train_by_name(tmp_path):
+    """oomb.register_policy(name, build) is all a new policy needs for `--sparse-policy name`:
+    oomb train builds it from the run's sparse_* settings and its engine selects pages with it;
+    an unregistered name is refused by the configuration, naming the registered ones."""
+    from oomb.attention.policy import POLICIES
+    from oomb.train.config import TrainConfig
+
+    selections = []
+
+    class Counted(RecentPages):
+        def select(self, *args, **kwargs):
+            selections.append(self)
+            return super().select(*args, **kwargs)
+
+    oomb.register_policy("recent", lambda s: Counted(window=s.sparse_budget - s.sparse_sink_pages,
+                                                     sink_pages=s.sparse_sink_pages, block_queries=32))
+    try:
+        cfg = TrainConfig(model="tiny", seq_len=256, chunk_size=64, page_size=16, steps=1, sparse_budget=3,
+                          sparse_policy="recent", backend="torch", device="cpu", output_dir=str(tmp_path / "run"))
+        assert len(oomb.train(cfg)) == 1
+        assert selections and set(selections) == {Counted(window=2, sink_pages=1, block_queries=32)}
+        with pytest.raises(ValueError, match=r"sparse_policy='nearby' is not a registered sparse policy; "
+                                             r"registered: recent, topk"):
+            TrainConfig(sparse_budget=3, sparse_policy="nearby")
+    finally:
+        POLICIES.pop("recent", None)

@@ -675,7 +675,7 @@ def test_lr_schedules():
 
 def test_plan_builds_the_sparse_policy_oomb_train_builds(capsys):
     """`oomb plan` takes every sparse_* setting of oomb train and builds the same policy
-    (trainer.sparse_config): min-max representatives are twice the mean's bytes, a larger chunk
+    (attention.policy.build_policy): min-max representatives are twice the mean's bytes, a larger chunk
     budget stages more pages, each as plan() gives for that TopKPages."""
     from oomb.cli import main
     from oomb.plan import plan

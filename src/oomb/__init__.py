@@ -6,7 +6,7 @@
 
     oomb.train(oomb.TrainConfig(model="/path/to/ckpt", seq_len=65536), callbacks=[...])  # oomb train's loop
 """
-from .attention.policy import SparsePolicy
+from .attention.policy import SparsePolicy, register_policy
 from .attention.sparse import TopKPages
 from .config import EngineConfig, KernelOptions
 from .engine import ChunkRecurrentEngine, StepResult
@@ -14,7 +14,7 @@ from .memory.spec import PageSpec, Selection
 from .train.callbacks import Callback  # binds oomb.train too: the trainer's package, callable (train/__init__.py)
 
 __all__ = ["Callback", "ChunkRecurrentEngine", "EngineConfig", "KernelOptions", "PageSpec", "Selection", "SparsePolicy",
-           "StepResult", "TopKPages", "TrainConfig", "train"]
+           "StepResult", "TopKPages", "TrainConfig", "register_policy", "train"]
 __version__ = "0.1.0"
 
 

@@ -46,7 +46,7 @@ def cmd_plan(args) -> None:
     from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
     from .presets import load_config
-    from .train.trainer import sparse_config
+    from .attention.policy import build_policy
 
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     rank, targets = lora_of(args)
@@ -60,7 +60,7 @@ def cmd_plan(args) -> None:
              "checkpoint_layers": args.checkpoint_layers}
     free = tuple(k for k in AUTO_FIELDS if given[k] is None)  # as oomb train chooses them (oomb.auto)
 
-    sparse = sparse_config(args)  # the policy oomb train builds from the same settings
+    sparse = build_policy(args)  # the policy oomb train builds from the same settings
     base = EngineConfig(**{k: v for k, v in given.items() if v is not None}, page_size=args.page_size,
                         offload=args.offload, sparse=sparse, group_pages=args.group_pages,
                         compile_layers=compiles(config, torch.device("cuda"), bool(rank))
@@ -134,7 +134,8 @@ def cmd_eval(args) -> None:
     from .presets import load_model
     from .train.metrics import ChunkBars
     from .train.outputs import make_folder
-    from .train.trainer import resolve_device, sparse_config
+    from .attention.policy import build_policy
+    from .train.trainer import resolve_device
 
     task = TASKS[args.task]
     check_token_suffix(args.data, "--data")
@@ -150,7 +151,7 @@ def cmd_eval(args) -> None:
                        rope_scaling=args.rope_scaling or None).eval()
     check_positions(model.config, task.longest(args), args.rope_theta, args.rope_scaling)
     engine = ChunkRecurrentEngine(model, chunk_size=args.chunk_size, page_size=args.page_size, offload=args.offload,
-                                  backend=args.backend, sparse=sparse_config(args),
+                                  backend=args.backend, sparse=build_policy(args),
                                   kernels=KernelOptions.from_env(os.environ),
                                   kv_grad_dtype=None)  # no backward: no dK/dV
     bar = ChunkBars("sequence batch {n}")
@@ -226,7 +227,7 @@ def cmd_export(args) -> None:
 
 #: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
 PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
-               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_chunk_budget",
+               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_policy", "sparse_chunk_budget",
                "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer", "param_grad_dtype",
                "master_weights", "tp")
 PLAN_OVERRIDES = {
@@ -240,7 +241,7 @@ PLAN_OVERRIDES = {
 #: the TrainConfig settings every `oomb eval` task takes (as oomb train's flags, but for EVAL_OVERRIDES); a
 #: task's own (retrieval's needle template, kv-recall's recall ids ...) come with it (oomb.eval.registry)
 EVAL_FIELDS = ("model", "data", "data_dtype", "seq_len", "batch", "chunk_size", "page_size", "backend", "offload",
-               "sparse_budget", "sparse_chunk_budget", "sparse_sink_pages", "sparse_representative",
+               "sparse_budget", "sparse_policy", "sparse_chunk_budget", "sparse_sink_pages", "sparse_representative",
                "sparse_dense_layers", "rope_theta", "rope_scaling", "device", "seed")
 EVAL_OVERRIDES = {
     # eval builds its engine directly: oomb.auto's 'auto' plans a training step (its dK/dV, its optimizer)

@@ -1,5 +1,6 @@
 """Sizes written the way people write them: tokens ('64K', '1M') and bytes ('139.8GiB', '80GB'),
-as argparse types (an error naming the text). Read by the command line and the benchmarks."""
+as argparse types (an error naming the text), and lists of layers ('-2,-1'). Read by the command
+line, the sparse policies' settings and the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -36,3 +37,11 @@ def parse_bytes(text: str) -> int:
                 return int(value)
             break
     raise argparse.ArgumentTypeError(f"{text!r} is not a size; use e.g. 139.8GiB, 512MiB or 80GB")
+
+
+def parse_layers(text: str) -> tuple[int, ...]:
+    """'-2,-1' -> (-2, -1)."""
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"sparse_dense_layers={text!r} must be comma-separated layer indices, e.g. -2,-1") from None

@@ -10,7 +10,7 @@ that reads them knows which policy it is.
 """
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -88,3 +88,30 @@ def check_policy(sparse: object) -> None:
     if sparse.chunk_budget < sparse.budget:
         raise ValueError(f"sparse={sparse!r}: chunk_budget={sparse.chunk_budget} must be >= budget={sparse.budget} "
                          "(the pages a chunk's query blocks choose from)")
+
+
+#: the policies `--sparse-policy NAME` names: NAME -> a function of the run's sparse_* settings (a
+#: TrainConfig, or `oomb plan` / `oomb eval`'s flags) that builds the policy. TopKPages registers
+#: 'topk' (attention/sparse.py); a new policy registers itself in its own file.
+POLICIES: dict[str, Callable[[object], SparsePolicy]] = {}
+
+
+def register_policy(name: str, build: Callable[[object], SparsePolicy]) -> None:
+    """Make `--sparse-policy name` build its policy with build(settings)."""
+    POLICIES[name] = build
+
+
+def build_policy(settings) -> SparsePolicy | None:
+    """The policy a run's sparse_* settings ask for: None (dense) when sparse_budget is 0, else the
+    registered sparse_policy's (a ValueError naming the registered ones for an unknown name)."""
+    if not settings.sparse_budget:
+        return None
+    check_policy_name(settings.sparse_policy)
+    return POLICIES[settings.sparse_policy](settings)
+
+
+def check_policy_name(name: str) -> None:
+    """Refuse (ValueError) a --sparse-policy that no policy registered."""
+    if name not in POLICIES:
+        raise ValueError(f"sparse_policy={name!r} is not a registered sparse policy; registered: "
+                         f"{', '.join(sorted(POLICIES))} (a new one: oomb.register_policy(name, build))")

@@ -20,6 +20,8 @@ import torch
 
 # A chunk's selection is data the page store holds (memory/spec.py).
 from ..memory.spec import Selection, index_dtype
+from ..units import parse_layers
+from .policy import register_policy
 
 REPRESENTATIVES = ("mean", "minmax")
 
@@ -80,6 +82,19 @@ class TopKPages:
 
     def describe(self) -> dict:
         return {"budget": self.budget, "representative": self.representative, "sink_pages": self.sink_pages}
+
+
+def topk_from_settings(settings) -> TopKPages:
+    """TopKPages from a run's sparse_* settings (`--sparse-policy topk`, the default): a chunk
+    budget of 0 is TopKPages' default, max(256, budget); one below the budget is raised to it
+    (TrainConfig refuses one before this)."""
+    chunk_budget = max(settings.sparse_chunk_budget, settings.sparse_budget) if settings.sparse_chunk_budget else None
+    return TopKPages(budget=settings.sparse_budget, chunk_budget=chunk_budget, sink_pages=settings.sparse_sink_pages,
+                     representative=settings.sparse_representative,
+                     dense_layers=parse_layers(settings.sparse_dense_layers))
+
+
+register_policy("topk", topk_from_settings)
 
 
 def page_representatives(k: torch.Tensor, n_pages: int, kind: str) -> torch.Tensor:

@@ -10,6 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields
 
 from ..attention import BACKENDS
+from ..attention.policy import check_policy_name
 from ..attention.sparse import REPRESENTATIVES
 from ..data.needles import DEFAULT_TEMPLATE
 from ..data.tokens import BIN_DTYPES, check_token_suffix
@@ -107,6 +108,9 @@ class TrainConfig:
                                                    "~+25 % compute; unset: oomb.auto decides with chunk_size")
     sparse_budget: int = setting(0, "> 0: top-k sparse attention, this many earlier pages per query block "
                                     "(oomb.TopKPages)")
+    sparse_policy: str = setting("topk", "the sparse attention --sparse-budget turns on: a policy registered with "
+                                         "oomb.register_policy (topk: page-level top-k by each page's representative, "
+                                         "oomb.TopKPages)")
     sparse_chunk_budget: int = setting(0, "pages one chunk's query blocks choose from (and offload moves); 0: "
                                           "max(256, sparse_budget)")
     sparse_sink_pages: int = setting(1, "the first pages every query block attends")
@@ -248,6 +252,8 @@ class TrainConfig:
             raise ValueError(f"weight_decay={self.weight_decay:g} with lr={self.lr:g}: AdamW multiplies every weight by "
                              f"1 - lr x weight_decay = {1 - self.lr * self.weight_decay:g} each step, which must stay "
                              "above 0; lower --weight-decay (typical: 0.1)")
+        if self.sparse_budget:
+            check_policy_name(self.sparse_policy)
         if self.sparse_budget and 0 < self.sparse_chunk_budget < self.sparse_budget:
             raise ValueError(f"sparse_chunk_budget={self.sparse_chunk_budget} must be >= sparse_budget="
                              f"{self.sparse_budget}")

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..attention.sparse import TopKPages
+from ..attention.policy import build_policy
 from ..auto import Choice, Machine, NothingFits, choose, compiles
 from ..config import EngineConfig, KernelOptions
 from ..data.codec import codec_for
@@ -90,7 +90,7 @@ def engine_config(cfg, kernels: KernelOptions | None = None, **extra) -> EngineC
     extra = {"compile_layers": cfg.compile_layers, **extra}
     return EngineConfig(**{k: v for k, v in given.items() if k not in cfg.auto_fields},
                         page_size=cfg.page_size, group_pages=cfg.group_pages,
-                        backend=cfg.backend, offload=cfg.offload, sparse=sparse_config(cfg),
+                        backend=cfg.backend, offload=cfg.offload, sparse=build_policy(cfg),
                         param_grad_dtype=torch.float32 if cfg.param_grad_dtype == "float32" else None,
                         keep_attention=cfg.keep_attention,
                         kept_host_bytes=None if cfg.kept_host_gib is None else int(cfg.kept_host_gib * 2**30),
@@ -143,26 +143,6 @@ def replan_after_oom(cfg, model, device, choice: Choice, optimizer, error: str) 
     print(f"oomb train: step 1 ran out of GPU memory with {choice.settings()}; retrying with "
           f"{smaller.settings()}", flush=True)
     return smaller
-
-
-def sparse_config(cfg) -> TopKPages | None:
-    """TopKPages from the sparse_* settings of a TrainConfig or of `oomb eval`'s flags (a chunk
-    budget of 0 is TopKPages' default, max(256, budget); one below the budget is raised to it;
-    TrainConfig refuses one before this)."""
-    if not cfg.sparse_budget:
-        return None
-    chunk_budget = max(cfg.sparse_chunk_budget, cfg.sparse_budget) if cfg.sparse_chunk_budget else None
-    return TopKPages(budget=cfg.sparse_budget, chunk_budget=chunk_budget,
-                     sink_pages=cfg.sparse_sink_pages, representative=cfg.sparse_representative,
-                     dense_layers=parse_layers(cfg.sparse_dense_layers))
-
-
-def parse_layers(text: str) -> tuple[int, ...]:
-    """'-2,-1' -> (-2, -1)."""
-    try:
-        return tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise ValueError(f"sparse_dense_layers={text!r} must be comma-separated layer indices, e.g. -2,-1") from None
 
 
 def lr_lambda(cfg: TrainConfig):
