@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import oomb
-from tiny_models import VOCAB, full_sequence_grads, llama_with_rope, make_model, rel_err
+from tiny_models import VOCAB, assert_grads_match, full_sequence_grads, llama_with_rope, make_model, rel_err
 
 TOL = 1e-4  # relative, float32 (the bound; measured errors are ~1e-6)
 
@@ -15,11 +15,7 @@ def check_against_full_sequence(model, input_ids, labels, **engine_kwargs):
     assert rel_err(result.loss, ref_loss) <= TOL, (result.loss, ref_loss)
     expected_tokens = int((labels[:, 1:] != -100).sum())
     assert result.num_tokens == expected_tokens
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert got.keys() == ref_grads.keys()
-    errors = {n: rel_err(got[n], ref_grads[n]) for n in ref_grads}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+    assert_grads_match(model, ref_grads, TOL)
     model.zero_grad(set_to_none=True)
     return result
 

@@ -5,7 +5,7 @@ import torch
 
 import oomb
 from oomb.attention.documents import documents
-from tiny_models import VOCAB, llama_with_rope, make_model, rel_err
+from tiny_models import VOCAB, assert_grads_match, llama_with_rope, make_model, rel_err
 
 TOL = 1e-4  # relative, float32, as tests/test_engine.py
 
@@ -73,11 +73,7 @@ def check_packed(model, ids, labels, pos, **engine_kwargs):
     result = engine.forward_backward(ids, labels, position_ids=pos)
     assert result.num_tokens == total
     assert rel_err(result.loss, ref_loss) <= TOL, (result.loss, ref_loss)
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert got.keys() == ref_grads.keys()
-    errors = {n: rel_err(got[n], ref_grads[n]) for n in ref_grads}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+    got = assert_grads_match(model, ref_grads, TOL)
     grads = {n: g.clone() for n, g in got.items()}
     model.zero_grad(set_to_none=True)
     return result, grads

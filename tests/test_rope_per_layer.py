@@ -12,7 +12,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 import oomb
 from oomb import models
 from oomb.models.llama import LlamaAdapter
-from tiny_models import VOCAB, full_sequence_grads, llama_with_rope, rel_err
+from tiny_models import VOCAB, assert_grads_match, full_sequence_grads, llama_with_rope, rel_err
 
 TOL = 1e-4  # relative, float32, as tests/test_engine.py
 LOCAL_THETA = 100.0  # the odd layers' RoPE base; the even layers keep the model's (10000)
@@ -123,11 +123,7 @@ def check(model, ids, labels, position_ids=None, **engine_kwargs):
     assert isinstance(engine.adapter, AlternatingRopeAdapter)
     result = engine.forward_backward(ids, labels, position_ids=position_ids)
     assert rel_err(result.loss, ref_loss) <= TOL, (result.loss, ref_loss)
-    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-    assert got.keys() == ref_grads.keys()
-    errors = {n: rel_err(got[n], ref_grads[n]) for n in ref_grads}
-    worst = max(errors, key=errors.get)
-    assert errors[worst] <= TOL, f"{worst}: relative error {errors[worst]:.2e}"
+    assert_grads_match(model, ref_grads, TOL)
     model.zero_grad(set_to_none=True)
     return ref_loss
 

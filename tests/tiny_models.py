@@ -112,3 +112,14 @@ def full_sequence_grads(model, input_ids, labels):
 
 def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def assert_grads_match(model, ref_grads: dict, tol: float) -> dict:
+    """Every parameter's .grad against ref_grads {name: gradient} within relative error tol (the
+    worst one named); the same parameters must have gradients. Returns the model's gradients."""
+    got = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert got.keys() == ref_grads.keys()
+    errors = {n: rel_err(got[n], ref_grads[n]) for n in ref_grads}
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tol, f"{worst}: relative error {errors[worst]:.2e}"
+    return got
