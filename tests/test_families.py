@@ -235,3 +235,73 @@ def test_multimodal_gemma3_refused_naming_the_text_model():
     with pytest.raises(TypeError, match=r"Gemma3ForConditionalGeneration is not supported by oomb: .* vision encoder"
                                         r".* oomb trains the text model, Gemma3ForCausalLM"):
         adapter_class(Gemma3Config())
+
+
+def multimodal_gemma3_config():
+    """A tiny Gemma3Config: a local and a global text layer, a one-layer SigLIP of 2x2 patches."""
+    from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
+
+    text = Gemma3TextConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16, vocab_size=300, sliding_window=8,
+                            layer_types=["sliding_attention", "full_attention"], max_position_embeddings=256)
+    vision = SiglipVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=16, patch_size=8)
+    return Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(), mm_tokens_per_image=4,
+                        boi_token_index=297, eoi_token_index=298, image_token_index=299)
+
+
+def save_multimodal_gemma3(path, layout="as saved"):
+    """A tiny Gemma3ForConditionalGeneration saved in `path`; layout "model.language_model": its keys
+    renamed to the other published layout (transformers 4.52+'s saves) from transformers' own."""
+    from safetensors.torch import load_file, save_file
+    from transformers import Gemma3ForConditionalGeneration
+
+    config = multimodal_gemma3_config()
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    model.save_pretrained(path)
+    if layout == "model.language_model":
+        weights = load_file(path / "model.safetensors")
+        assert any(k.startswith("language_model.model.") for k in weights)
+        renamed = {k.replace("language_model.model.", "model.language_model.", 1) if k.startswith("language_model.")
+                   else f"model.{k}": v for k, v in weights.items()}
+        save_file(renamed, path / "model.safetensors", metadata={"format": "pt"})
+    return model
+
+
+@pytest.mark.parametrize("layout", ["as saved", "model.language_model"])
+def test_multimodal_gemma3_checkpoint_loads_its_text_model(layout, tmp_path, capsys):
+    """--model of a multimodal Gemma 3 directory: its text model, Gemma3ForCausalLM with the language
+    model's weights (the multimodal model's text-only logits), the vision encoder left out, with a notice."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from oomb.presets import load_config, load_model
+    multimodal = save_multimodal_gemma3(tmp_path, layout)
+    model = load_model(str(tmp_path)).eval()
+    assert type(model) is Gemma3ForCausalLM and type(model.config) is Gemma3TextConfig
+    assert isinstance(load_config(str(tmp_path)), Gemma3TextConfig)
+    assert not any("vision" in name or "multi_modal" in name for name, _ in model.named_parameters())
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as in the checkpoint
+    notice = capsys.readouterr().err
+    assert notice.count("multimodal Gemma 3 checkpoint") == 1 and "vision encoder is neither trained nor kept" in notice
+    ids = torch.randint(0, 297, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, multimodal(input_ids=ids).logits, atol=1e-5, rtol=0)
+
+
+def test_multimodal_gemma3_checkpoint_plans_and_trains(tmp_path, capsys):
+    from oomb.cli import main
+    save_multimodal_gemma3(tmp_path / "gemma3")
+    main(["plan", "--model", str(tmp_path / "gemma3"), "--seq-len", "1K"])
+    assert "multimodal Gemma 3 checkpoint" in capsys.readouterr().err
+    main(["train", "--model", str(tmp_path / "gemma3"), "--steps", "1", "--seq-len", "64", "--chunk-size", "32",
+          "--page-size", "16", "--backend", "torch", "--device", "cpu", "--output-dir", str(tmp_path / "out")])
+    assert "step     1/1  loss" in capsys.readouterr().out
+
+
+def test_multimodal_gemma3_model_object_refused():
+    """The Gemma3ForConditionalGeneration object itself (vision encoder and all) is not taken by the engine."""
+    from transformers import Gemma3ForConditionalGeneration
+
+    with pytest.raises(TypeError, match=r"Gemma3ForConditionalGeneration is not supported by oomb: .* vision encoder"):
+        oomb.ChunkRecurrentEngine(Gemma3ForConditionalGeneration(multimodal_gemma3_config()))

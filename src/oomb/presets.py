@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3TextConfig, GptOssConfig, MistralConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, GptOssConfig, MistralConfig,
                           MixtralConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
 
 from .models.quiet import import_model_code
@@ -118,14 +119,38 @@ def _checkpoint_name(name_or_path: str) -> bool:
 def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling: str | None = None,
                 **overrides) -> PretrainedConfig:
     """A preset's config or a local checkpoint's, with RoPE extended as asked (models/rope.py); of
-    what a run wrote (an adapter, an older oomb's step-N: train/export.py), its base's."""
+    what a run wrote (an adapter, an older oomb's step-N: train/export.py), its base's. Of a
+    multimodal Gemma 3 checkpoint (Gemma3Config), its text model's (text_config)."""
+    return _load_config(name_or_path, rope_theta, rope_scaling, **overrides)[0]
+
+
+_NOTICED: set[str] = set()  # multimodal checkpoints whose notice was printed
+
+
+def _text_of(cfg: PretrainedConfig, name_or_path: str, overrides: dict) -> PretrainedConfig:
+    """A multimodal Gemma 3 config's text_config (with the overrides), after a one-line notice."""
+    if name_or_path not in _NOTICED:
+        _NOTICED.add(name_or_path)
+        print(f"oomb: {name_or_path} is a multimodal Gemma 3 checkpoint (Gemma3ForConditionalGeneration): "
+              f"its text model (Gemma3ForCausalLM) is loaded; the vision encoder is neither trained nor kept",
+              file=sys.stderr, flush=True)
+    text = copy.deepcopy(cfg.text_config)
+    for key, value in overrides.items():
+        setattr(text, key, value)
+    return text
+
+
+def _load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling: str | None = None,
+                 **overrides) -> tuple[PretrainedConfig, PretrainedConfig | None]:
+    """load_config's config and, for a multimodal Gemma 3 checkpoint, its full config (else None)."""
     from .train.export import describe
 
+    multimodal = None
     if name_or_path in PRESETS:
         cfg = preset_config(name_or_path, **overrides)
     elif (artefact := describe(name_or_path)) is not None and artefact.base is not None:
-        return load_config(artefact.base.model, artefact.base.rope_theta if rope_theta is None else rope_theta,
-                           rope_scaling or artefact.base.rope_scaling or None, **overrides)
+        return _load_config(artefact.base.model, artefact.base.rope_theta if rope_theta is None else rope_theta,
+                            rope_scaling or artefact.base.rope_scaling or None, **overrides)
     else:
         if not _checkpoint_name(name_or_path):
             raise ValueError(f"--model {name_or_path!r} is neither a preset nor a local checkpoint directory; "
@@ -136,8 +161,10 @@ def load_config(name_or_path: str, rope_theta: float | None = None, rope_scaling
             where = "a local directory without a usable config.json" if os.path.isdir(name_or_path) else \
                 "neither a preset nor a local checkpoint directory, and not reachable as a hub id"
             raise ValueError(f"--model {name_or_path!r} is {where}; presets: {', '.join(PRESETS)} ({e})") from None
+        if isinstance(cfg, Gemma3Config):  # Gemma 3 4B-27B: the text model of the multimodal checkpoint
+            multimodal, cfg = cfg, _text_of(cfg, name_or_path, overrides)
     apply_rope(cfg, rope_theta, rope_scaling)
-    return cfg
+    return cfg, multimodal
 
 
 def load_tokenizer(name_or_path: str):
@@ -166,12 +193,33 @@ def load_model(name_or_path: str, dtype: torch.dtype = torch.float32, device: st
         if artefact.base is not None:
             return load(artefact, dtype, device, rope_theta, rope_scaling)
         artefact.verify()  # a step-N's files against its manifest
-    cfg = load_config(name_or_path, rope_theta, rope_scaling, **overrides)
+    cfg, multimodal = _load_config(name_or_path, rope_theta, rope_scaling, **overrides)
     import_model_code()
     if name_or_path in PRESETS:
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    elif multimodal is not None:
+        model = _gemma3_text_model(name_or_path, multimodal, cfg, dtype).to(device)
     else:
         model = AutoModelForCausalLM.from_pretrained(name_or_path, config=cfg, dtype=dtype).to(device)
     model.config.use_cache = False
+    return model
+
+
+def _gemma3_text_model(name_or_path: str, multimodal: Gemma3Config, text: Gemma3TextConfig, dtype):
+    """The Gemma3ForCausalLM of a multimodal Gemma 3 checkpoint: transformers loads the whole
+    Gemma3ForConditionalGeneration (its own key renames cover the checkpoint layouts, `language_model.model.*`
+    and `model.language_model.*`), and its language model and LM head move into a Gemma3ForCausalLM
+    of `text`; the vision tower and projector are dropped. (Gemma3ForCausalLM.from_pretrained of such a
+    directory finds none of its keys and leaves every weight random.)"""
+    from transformers import Gemma3ForCausalLM, Gemma3ForConditionalGeneration
+
+    multimodal = copy.deepcopy(multimodal)
+    multimodal.text_config = text  # the RoPE and overrides load_config applied
+    full = Gemma3ForConditionalGeneration.from_pretrained(name_or_path, config=multimodal, dtype=dtype)
+    with torch.device("meta"):
+        model = Gemma3ForCausalLM(text)
+    model.model, model.lm_head = full.model.language_model, full.lm_head
+    model.config = model.model.config
+    del full
     return model
