@@ -10,8 +10,8 @@ import os
 import sys
 
 import torch
-from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, GptOssConfig, MistralConfig,
-                          MixtralConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3Config, Gemma3TextConfig, GptOssConfig,
+                          MistralConfig, MixtralConfig, Phi3Config, PretrainedConfig, Qwen2Config, Qwen3MoeConfig)
 
 from .models.quiet import import_model_code
 from .models.rope import apply_rope
