@@ -508,7 +508,7 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
         taken = take_over(handoff, work)
         if taken:
             print(f"quality study: final models of {', '.join(taken)} taken from {handoff}", flush=True)
-    corpus(study, work)  # once, before the arms start
+    data = corpus(study, work)  # once, before the arms start
     todo = [n for n in names if not complete(n, read_rows(results), study)]
     print(f"quality study: {len(names) - len(todo)} of {len(names)} arms already in {results}; running "
           f"{', '.join(todo) or 'none'}", flush=True)
@@ -517,7 +517,7 @@ def run_study(study: Study, names: list[str], work: Path, results: Path, jobs: i
         todo = [n for n in entrants(study) if not complete(n, read_rows(results), study)] + todo
     for n in todo:  # each arm's configuration is checked here, before any arm spends time
         try:
-            train_config(find_arm(n, study), study, work, corpus(study, work))
+            train_config(find_arm(n, study), study, work, data)
         except ValueError as e:
             raise SystemExit(f"quality.py: arm {n}'s training configuration is refused: {e}") from None
     start = time.perf_counter()

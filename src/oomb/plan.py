@@ -14,8 +14,9 @@ import torch
 from . import placement
 from .config import EngineConfig
 from .loss import SLICE_LOGIT_BYTES
-from .memory.spec import KVShape, head_dim_of, index_dtype
+from .memory.spec import KVShape, index_dtype
 from .models import adapter_class
+from .models.base import head_dim_of
 from .placement import human_bytes  # noqa: F401 (oomb.plan.human_bytes)
 
 

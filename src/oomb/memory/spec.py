@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, NamedTuple, Protocol
 import torch
 
 from ..models import adapter_class
+from ..models.base import head_dim_of
 
 if TYPE_CHECKING:
     from ..config import EngineConfig
@@ -174,11 +175,6 @@ class KVShape:
         p = self.page
         return stored_chunks * kept_layers * batch * self.chunk_size * self.query_heads * (
             p.head_dim * _itemsize(p.dtype) + 4)
-
-
-def head_dim_of(config) -> int:
-    """A transformers config's attention head size (explicit, or hidden / heads)."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _itemsize(dtype: torch.dtype) -> int:

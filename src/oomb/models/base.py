@@ -15,6 +15,11 @@ import torch
 from torch import nn
 
 
+def head_dim_of(config) -> int:
+    """A transformers config's attention head size (explicit, or hidden / heads)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class DecoderAdapter:
     """Llama-style pre-norm decoder: x + attn(norm(x)); x + mlp(norm(x)).
 
@@ -58,7 +63,7 @@ class DecoderAdapter:
         self.config = cfg
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.head_dim = head_dim_of(cfg)
         self.scale = self.layers[0].self_attn.scaling
         self.vocab_size = cfg.vocab_size
         self.check_config(cfg)
