@@ -134,7 +134,8 @@ def test_oomb_plan_prints_master_weights(capsys):
     out = capsys.readouterr().out
     assert "fp32 master weights" in out.splitlines()[0]
     assert any(line.startswith("fp32 master weights ") for line in out.splitlines())
-    with pytest.raises(SystemExit, match="not with LoRA"):
+    with pytest.raises(SystemExit, match=r"master_weights='float32' \(fp32 copies of bf16 weights\) with "
+                                         r"lora_rank=8: LoRA's adapters are fp32 already"):
         main(["plan", "--model", "qwen2.5-0.5b", "--seq-len", "64K", "--master-weights", "float32",
               "--lora-rank", "8"])
 

@@ -42,18 +42,17 @@ def lora_of(args) -> tuple[int, tuple[str, ...] | None]:
 
 
 def cmd_plan(args) -> None:
+    from .attention.policy import build_policy
     from .auto import AUTO_FIELDS, Machine, NothingFits, choose, compiles
     from .config import EngineConfig
     from .plan import human_bytes, longest_context, place, plan
     from .presets import load_config
-    from .attention.policy import build_policy
+    from .train.config import master_weights_refusal
 
     config = load_config(args.model)  # a preset, or a checkpoint's config.json: one clear error for neither
     rank, targets = lora_of(args)
     trainable = lora_params(config, rank, args.tp, targets) if rank else None
-    if args.master_weights != "none" and (rank or args.optimizer == "adamw8bit"):  # as oomb train refuses them
-        raise ValueError(f"--master-weights {args.master_weights} keeps fp32 copies of bf16 trainable weights: not with "
-                         f"{'LoRA (its adapters are fp32 already)' if rank else '--optimizer adamw8bit'}")
+    master_weights_refusal(args.master_weights, "bfloat16", rank, args.optimizer, args.tp)  # the plan's bf16 weights
     opt_bytes = {"adamw": None, "adamw8bit": 2, "none": 0}[args.optimizer]  # None: two moments like the weights
     given = {"chunk_size": None if args.chunk_size == "auto" else args.chunk_size,
              "kv_grad_dtype": {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16}[args.kv_grad_dtype],
@@ -126,6 +125,7 @@ def cmd_plan(args) -> None:
 def cmd_eval(args) -> None:
     """Builds the model and an evaluation engine (no dK/dV pages) from the shared flags, runs the
     registered task --task names on it, prints its report, then its plot and --json."""
+    from .attention.policy import build_policy
     from .config import KernelOptions
     from .data.tokens import check_token_suffix
     from .engine import ChunkRecurrentEngine
@@ -134,7 +134,6 @@ def cmd_eval(args) -> None:
     from .presets import load_model
     from .train.metrics import ChunkBars
     from .train.outputs import make_folder
-    from .attention.policy import build_policy
     from .train.trainer import resolve_device
 
     task = TASKS[args.task]
@@ -227,9 +226,9 @@ def cmd_export(args) -> None:
 
 #: the TrainConfig settings `oomb plan` takes (as oomb train's flags, but for PLAN_OVERRIDES)
 PLAN_FIELDS = ("model", "seq_len", "batch", "chunk_size", "page_size", "group_pages", "kv_grad_dtype", "offload",
-               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_policy", "sparse_chunk_budget",
-               "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer", "param_grad_dtype",
-               "master_weights", "tp")
+               "checkpoint_layers", "compile", "keep_attention", "lora_rank", "sparse_budget", "sparse_policy",
+               "sparse_chunk_budget", "sparse_sink_pages", "sparse_representative", "sparse_dense_layers", "optimizer",
+               "param_grad_dtype", "master_weights", "tp")
 PLAN_OVERRIDES = {
     "model": {"default": "qwen2.5-7b"},  # plan is for models worth planning: the tiny demo needs none
     # several lengths in one call, each planned (then the longest context that fits)

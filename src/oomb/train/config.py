@@ -54,6 +54,20 @@ def setting(default, help: str, choices: tuple[str, ...] = (), tokens: bool = Fa
     return field(default=default, metadata=metadata)
 
 
+def master_weights_refusal(master_weights: str, dtype: str, lora_rank: int, optimizer: str, tp: int) -> None:
+    """Refuse (ValueError) fp32 master weights with settings they do not go with: oomb train's
+    configuration and `oomb plan` (whose LoRA rank may be an adapter's) ask the same."""
+    if master_weights == "none":
+        return
+    why = ("--dtype float32: the weights are already fp32" if dtype == "float32" else
+           f"lora_rank={lora_rank}: LoRA's adapters are fp32 already" if lora_rank else
+           "optimizer='adamw8bit': its stochastic rounding of bf16 weights is the other way to keep small "
+           "updates; use --optimizer adamw" if optimizer == "adamw8bit" else
+           f"tp={tp}: the masters are not built for tensor-parallel (DTensor) weights; use --tp 1" if tp > 1 else "")
+    if why:
+        raise ValueError(f"master_weights={master_weights!r} (fp32 copies of bf16 weights) with {why}")
+
+
 @dataclass
 class TrainConfig:
     # One line per setting: `name: type = setting(default, "what it does, and why", choices=(...))`. That line
@@ -291,15 +305,7 @@ class TrainConfig:
         if self.float8 != "none" and self.tp > 1:
             raise ValueError(f"float8={self.float8!r} with tp={self.tp}: oomb's tensor-parallel plan splits plain "
                              "Linear layers, not float8 ones; train with tp=1 or float8='none'")
-        if self.master_weights != "none":
-            why = ("--dtype float32: the weights are already fp32" if self.dtype == "float32" else
-                   f"lora_rank={self.lora_rank}: LoRA's adapters are fp32 already" if self.lora_rank else
-                   "optimizer='adamw8bit': its stochastic rounding of bf16 weights is the other way to keep small "
-                   "updates; use --optimizer adamw" if self.optimizer == "adamw8bit" else
-                   f"tp={self.tp}: the masters are not built for tensor-parallel (DTensor) weights; use --tp 1"
-                   if self.tp > 1 else "")
-            if why:
-                raise ValueError(f"master_weights={self.master_weights!r} (fp32 copies of bf16 weights) with {why}")
+        master_weights_refusal(self.master_weights, self.dtype, self.lora_rank, self.optimizer, self.tp)
         if self.optimizer == "adamw8bit" and self.tp > 1:  # torchao 0.18: its 8-bit state fails inside DTensor
             raise ValueError(f"optimizer='adamw8bit' with tp={self.tp}: torchao's 8-bit state does not run on "
                              "tensor-parallel (DTensor) weights; use --optimizer adamw with --tp, or --tp 1")
