@@ -26,7 +26,8 @@ def row_engine(r: dict):
                           checkpoint_layers=bool(r.get("checkpoint_layers")), compile_layers=bool(r.get("compile")),
                           param_grad_dtype=torch.float32 if r.get("param_grad_dtype") == "fp32" else None,
                           group_pages=r.get("group_pages") or 1024, keep_attention=False)
-    return config, engine, lora_params(config, r["lora_rank"], targets=BENCH_LORA_TARGETS) if r.get("lora_rank") else None
+    trainable = lora_params(config, r["lora_rank"], targets=BENCH_LORA_TARGETS) if r.get("lora_rank") else None
+    return config, engine, trainable
 
 
 def planned_longest(r: dict) -> int:

@@ -95,8 +95,9 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
 
     trainable_params: parameters with gradients (default: all). optimizer_bytes_per_param:
     default torch's AdamW, two moments in the parameters' dtype (4 B for bf16, as the trainer
-    makes it; 8 B with master_weights, the moments of the fp32 masters); 0 for none. n_params: the model's parameter count (default: counted on
-    a meta-device instance of the config, so mixtures of experts are counted right).
+    makes it; 8 B with master_weights, the moments of the fp32 masters); 0 for none. n_params:
+    the model's parameter count (default: counted on a meta-device instance of the config, so
+    mixtures of experts are counted right).
     optimizer_shards: data-parallel ranks sharing the optimizer state (ZeRO-1: each keeps 1/n).
     master_weights: an fp32 master of every trainable parameter beside the weights (4 B each,
     oomb.train.master).
@@ -248,7 +249,8 @@ def lora_params(config, rank: int, tp: int = 1, targets: tuple[str, ...] | None 
     from .models import adapter_class
 
     hidden, head_dim = config.hidden_size, head_dim_of(config)
-    q, kv, inter = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    inter = config.intermediate_size
     shapes = {"q_proj": (hidden, q, True), "k_proj": (hidden, kv, True), "v_proj": (hidden, kv, True),
               "o_proj": (q, hidden, False), "gate_proj": (hidden, inter, True), "up_proj": (hidden, inter, True),
               "down_proj": (inter, hidden, False), "qkv_proj": (hidden, q + 2 * kv, True),

@@ -459,8 +459,7 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
     run = Run(cfg=cfg, rank0=rank0, distributed=distributed, device=device, dp_group=dp_group,
               tp_group=mesh["tp"].get_group() if mesh is not None else None, dp_size=dp_size, model=model,
               params=params, masters=masters, optimizer=optimizer, scheduler=scheduler, engine=engine, choice=choice,
-              data=data,
-              held_out=held_out, vocab=vocab, step=step)
+              data=data, held_out=held_out, vocab=vocab, step=step)
 
     frozen = lost_update_fraction(params, cfg.lr) if cfg.optimizer == "adamw" and masters is None else 0.0
     if rank0 and frozen > 0.01:
