@@ -54,7 +54,7 @@ def apply_rope(config, theta: float | None = None, scaling: str | None = None, f
     from . import adapter_class
 
     params = dict(getattr(config, "rope_parameters", None) or {})
-    if not params or any(isinstance(v, dict) for v in params.values()):
+    if not params or per_layer_rope(params):
         raise ValueError(f"{type(config).__name__} has no single rope_parameters dict (per-layer RoPE); "
                          "--rope-theta / --rope-scaling are not supported for it")
     if theta is not None:
@@ -96,10 +96,16 @@ def check_positions(config, seq_len: int, theta: float | None, scaling: str | No
     """Warn when seq_len is past the positions the model was trained for and nothing extends RoPE."""
     limit = getattr(config, "max_position_embeddings", None)
     params = getattr(config, "rope_parameters", None) or {}
-    per_layer = any(isinstance(v, dict) for v in params.values())  # Gemma 3's, by layer type
+    per_layer = per_layer_rope(params)
     if limit and seq_len > limit and (per_layer or params.get("rope_type", "default") == "default") \
             and theta is None and not scaling:
         fix = ("Its RoPE is set per layer type: --rope-theta / --rope-scaling do not extend it" if per_layer
                else f"Extend it with --rope-theta (e.g. 8x the base) or --rope-scaling yarn:{-(-seq_len // limit)}")
         warnings.warn(f"seq_len={seq_len:,} exceeds the model's max_position_embeddings={limit:,} and RoPE is not "
                       f"extended: positions past {limit:,} were never seen in training. {fix}", stacklevel=2)
+
+
+def per_layer_rope(rope_parameters: dict) -> bool:
+    """Whether a config's rope_parameters are given per layer type (Gemma 3's: a dict each), which
+    --rope-theta / --rope-scaling do not extend."""
+    return any(isinstance(v, dict) for v in rope_parameters.values())
