@@ -1,4 +1,6 @@
 """Presets of published shapes (random weights): parameter counts against the model cards'."""
+import math
+
 import pytest
 import torch
 
@@ -37,9 +39,17 @@ def test_parameter_counts(name, cls, total, active, window):
     assert model.config.sliding_window == window
 
 
-def test_phi4_mini_rotates_three_quarters_of_each_head():
+def test_phi4_mini_rotates_three_quarters_of_each_head_with_longrope():
+    """Phi-4-mini's RoPE as its checkpoint has it: 48 rotated pairs (128 x 0.75 / 2), a LongRoPE
+    factor for each, 4,096 original positions scaled 32x (attention scale sqrt(1 + ln 32 / ln 4096))."""
     model = load_model("phi-4-mini", dtype=torch.bfloat16, device="meta", num_hidden_layers=1)
-    assert model.model.rotary_emb.inv_freq.numel() == 48  # 128 x 0.75 / 2
+    rotary = model.model.rotary_emb
+    assert rotary.inv_freq.numel() == 48
+    assert rotary.rope_type == "longrope"
+    rope = model.config.rope_parameters
+    assert len(rope["long_factor"]) == len(rope["short_factor"]) == 48
+    assert rope["original_max_position_embeddings"] * rope["factor"] == model.config.max_position_embeddings
+    assert rotary.attention_scaling == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)))
 
 
 def test_gemma3_layers_five_local_to_one_global():

@@ -20,6 +20,18 @@ from .models.rope import apply_rope
 GEMMA3_ROPE = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}
 
+# Phi-4-mini's LongRoPE (48 factors: one per rotated pair of 96 = 128 x 0.75 dimensions)
+PHI4_MINI_ROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75, "factor": 32.0,
+                  "original_max_position_embeddings": 4096,
+                  "short_factor": [1.0] * 48,
+                  "long_factor": [1.0, 1.118320672, 1.250641126, 1.398617824, 1.564103225, 1.74916897, 1.956131817,
+                                  2.187582649, 2.446418898, 2.735880826, 3.059592084, 3.421605075, 3.826451687,
+                                  4.279200023, 4.785517845, 5.351743533, 5.984965424, 6.693110555, 7.485043894,
+                                  8.370679318, 9.36110372, 10.4687158, 11.70738129, 13.09260651, 14.64173252,
+                                  16.37415215, 18.31155283, 20.47818807, 22.90118105, 25.61086418, 28.64115884,
+                                  32.03, 32.1, 32.13, 32.23, 32.6, 32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97,
+                                  33.28, 33.49, 33.5, 44.16, 47.77]}
+
 PRESETS = {
     # byte-level vocabulary; 2 layers (the fewest an induction head needs), 2 heads: learns oomb train's
     # default copy task in ~400 CPU steps of 1,024 tokens (docs/experiments.md, the demo's size)
@@ -59,12 +71,12 @@ PRESETS = {
     "mistral-7b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=32768, rope_theta=1e6, rms_norm_eps=1e-5,
                        max_position_embeddings=32768, sliding_window=None, tie_word_embeddings=False),
-    # Phi-4-mini: fused qkv/gate_up, 3/4 of each head rotated, tied embeddings. RoPE plain: the
-    # checkpoint's LongRoPE factors come with its config; its sliding_window (262,144) is past its
-    # 131,072 positions, so full attention here
+    # Phi-4-mini (microsoft/Phi-4-mini-instruct's config): fused qkv/gate_up, 3/4 of each head rotated, tied
+    # embeddings, LongRoPE from 4,096 to 131,072 positions (the long factors past 4,096); its sliding_window
+    # (262,144) is past its positions, so full attention here
     "phi-4-mini": dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=32, num_attention_heads=24,
                        num_key_value_heads=8, vocab_size=200064, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.75},
+                       rope_parameters=PHI4_MINI_ROPE,
                        sliding_window=None, tie_word_embeddings=True),
     # Phi-3-medium (14B): the 4K checkpoint's shape; full attention (its config's window is 2047)
     "phi-3-medium": dict(hidden_size=5120, intermediate_size=17920, num_hidden_layers=40, num_attention_heads=40,
