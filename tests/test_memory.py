@@ -263,3 +263,23 @@ def test_copy_rows_kernel_past_int32(beyond_int32):
     dma._copy_rows_kernel[(2,)](out, rows[:3], back, rows[:3] + shift, 3, 15, GATHER=False, SCATTER=True,
                                 BLOCK=16)
     assert torch.equal(back[shift:][rows[:3]], src[rows[:3]]) and back[shift:][[0, 1, 3]].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dense_layers", [(), (-1,), (0, -1)])
+def test_plan_counts_the_selections_the_engine_keeps(dense_layers):
+    """The plan's sparse selections are the bytes of the selections the engine keeps for the step
+    (candidates and per-block picks of every chunk and selecting layer); a policy's dense layers
+    attend to every page and keep none."""
+    import oomb
+    from oomb.plan import plan
+    from tiny_models import make_model
+
+    model = make_model("qwen2", layers=3)
+    config = oomb.EngineConfig(chunk_size=32, page_size=8,
+                               sparse=oomb.TopKPages(budget=2, block_queries=16, dense_layers=dense_layers))
+    engine = oomb.ChunkRecurrentEngine(model, config)
+    ids = torch.randint(0, model.config.vocab_size, (2, 128))
+    engine.forward_backward(ids, ids)
+    kept = sum(s.pages.nbytes + s.blocks.nbytes for s in engine._selection.values())
+    assert kept > 0
+    assert plan(model.config, 128, batch=2, engine=config, dtype=torch.float32).selections == kept

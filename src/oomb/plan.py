@@ -194,7 +194,7 @@ def plan(config, seq_len: int, batch: int = 1, engine: EngineConfig | None = Non
 def _sparse_bytes(sparse, shape: KVShape, seq_len: int, batch: int, n_chunks: int) -> dict:
     """Representatives of every stored page, and each chunk's selection (memory/spec.Selection:
     int32 candidates, per-block picks in index_dtype; their counts as attention/policy.py states
-    them), full layers."""
+    them)."""
     if sparse is None:
         return {}
     chunk_size, chunk_pages, kv_heads = shape.chunk_size, shape.chunk_pages, shape.page.n_kv_heads
@@ -208,8 +208,10 @@ def _sparse_bytes(sparse, shape: KVShape, seq_len: int, batch: int, n_chunks: in
         index = index_dtype(cand).itemsize
         blocks = -(-(min(seq_len, (c + 1) * chunk_size) - c * chunk_size) // sparse.block_queries)
         chosen += batch * (4 * cand + kv_heads * blocks * keep * index)
-    n_full = len(shape.full_layers)
-    return {"representatives": n_full * reps, "selections": n_full * chosen}
+    # Representatives: every full layer's store keeps them; selections: only those that select (not
+    # the policy's dense layers, which attend to every page)
+    selecting = set(shape.full_layers) - sparse.dense_set(len(shape.windows))
+    return {"representatives": len(shape.full_layers) * reps, "selections": len(selecting) * chosen}
 
 
 #: the projections tensor parallelism splits (oomb.parallel.apply_tensor_parallel)
