@@ -70,6 +70,16 @@ def test_config_file_under_the_command_line(tmp_path):
     assert args.seq_len == [65536] and args.kv_grad_dtype == "bfloat16" and args.model == "qwen2.5-7b"
 
 
+@pytest.mark.parametrize("command", ["train", "plan", "eval"])
+def test_negative_layer_lists_are_values(command):
+    """The documented `--sparse-dense-layers -2,-1` (argparse takes '-2,-1' for an option unless
+    it is told otherwise); a single negative value and `--flag=value` as before."""
+    args = parse_args([command, "--sparse-dense-layers", "-2,-1", "--sparse-budget", "4"])
+    assert (args.sparse_dense_layers, args.sparse_budget) == ("-2,-1", 4)
+    assert parse_args([command, "--sparse-dense-layers", "-1"]).sparse_dense_layers == "-1"
+    assert parse_args([command, "--sparse-dense-layers=0,-1"]).sparse_dense_layers == "0,-1"
+
+
 @pytest.mark.parametrize("text,message", [
     ("lrr: 0.1\n", "'lrr' is not a setting of oomb train; did you mean 'lr'?"),
     ("steps: two\n", "steps: 'two': 'two' is not a whole number"),

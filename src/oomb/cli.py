@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from .flags import HelpFormatter, add_config_flag, add_settings, at_least, help_of, read_config
+from .flags import HelpFormatter, add_config_flag, add_settings, at_least, attach_negative_values, help_of, read_config
 from .plan import lora_params
 from .units import parse_bytes
 
@@ -339,6 +339,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line, with a --config file's settings as the defaults that the flags given
     override (an error naming the file and the key exits in one line)."""
     parser, commands = build_parser()
+    argv = attach_negative_values(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     if getattr(args, "config", ""):
         try:

@@ -16,9 +16,24 @@ import dataclasses
 import difflib
 import json
 import math
+import re
 from pathlib import Path
 
 from .units import parse_tokens
+
+
+def attach_negative_values(argv: list[str]) -> list[str]:
+    """`--flag -2,-1` as `--flag=-2,-1`: argparse takes a value that starts with '-' for an option
+    unless it reads as one negative number, so a list of negative layer indices (the documented
+    `--sparse-dense-layers -2,-1`) was refused as a missing argument. No flag starts with '-' and a
+    digit, so such a token after a `--flag` is always its value."""
+    out = []
+    for token in argv:
+        if out and re.match(r"-\d", token) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={token}"
+        else:
+            out.append(token)
+    return out
 
 
 def at_least(low: int):
