@@ -152,6 +152,7 @@ PLOTS = {"quality_pilot.png": plot_pilot}
 
 def write_report(rows: list[dict], doc: Path) -> None:
     r = Rows(rows)
+    doc.parent.mkdir(parents=True, exist_ok=True)
     for name, plot in PLOTS.items():
         plot(r, doc.parent / name)
     block = [BEGIN, "", "Rows: `bench/results/quality.jsonl` (each row names its GPU, versions, commit and date).", ""]

@@ -58,6 +58,10 @@ def test_quality_study_smoke_and_report(tmp_path):
                     "### Needle-page hit rate", "### Held-out loss"):
         assert heading in page
     assert "| neg-64k | top-1 |" in page
+    fresh = tmp_path / "not-yet" / "quality.md"  # a page in a directory that does not exist yet
+    subprocess.run([sys.executable, script, "--report", "--results", str(results), "--doc", str(fresh)], check=True,
+                   env=env, capture_output=True)
+    assert "### Arms of the study" in fresh.read_text() and (fresh.parent / "quality_pilot.png").exists()
     assert (doc.parent / "quality_pilot.png").read_bytes()[:4] == b"\x89PNG" and "](quality_pilot.png)" in page
 
 
