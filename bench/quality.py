@@ -177,6 +177,7 @@ class Arm:
     seed: int = 0  # added to the study's seed (data order): a replicate
     extra: bool = False  # a replicate: run when named in --arms (or --arms all)
     design: Design | None = None  # an entrant of the race for base-128
+    start: str = ""  # a 64K arm's base stage other than the last (the 4K -> 64K extension)
 
     @property
     def attention(self) -> str:
@@ -194,7 +195,7 @@ class Arm:
         if self.is_stage:
             i = STAGES.index(self.name)
             return STAGES[i - 1] if i else ""
-        return STAGES[-1]
+        return self.start or STAGES[-1]
 
 
 def label(budget: int, dense_layers: str = "") -> str:
@@ -216,6 +217,10 @@ ARMS = [
     Arm("neg-64k", "top-k 1 page, the sink only (negative control)", budget=1),
     Arm("dense-64k-s1", "dense, another data order", seed=1, extra=True),
     Arm("topk64-64k-s1", "top-k 64 pages, another data order", budget=64, seed=1, extra=True),
+    # a user's flow: a model trained at 4K extended to 64K by training there, densely or with top-k
+    Arm("ext-dense-64k", "dense, from base-4k (4K extended to 64K)", start="base-4k", extra=True),
+    Arm("ext-topk64-64k", "top-k 64 pages, from base-4k (4K extended to 64K)", budget=64, start="base-4k",
+        extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 RACE_PREFIX = "race-"

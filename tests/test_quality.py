@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -160,3 +161,21 @@ def test_an_arm_whose_configuration_is_refused_stops_the_study_before_anything_s
     monkeypatch.setattr(quality, "subprocess", types.SimpleNamespace(Popen=popen))
     with pytest.raises(SystemExit, match=r"arm race-a's training configuration is refused: recall_pairs=24"):
         quality.run_study(study, ["base-128"], tmp_path / "work", tmp_path / "rows.jsonl", jobs=1, deadline=60)
+
+
+def test_every_arm_of_the_full_study_has_a_configuration(tmp_path):
+    """Each arm of `--arms all` at the full settings (not the smoke test's) builds its TrainConfig;
+    the 64K arms start from base-16k's final model, the 4K -> 64K extension arms from base-4k's."""
+    sys.path.insert(0, os.path.join(ROOT, "bench"))
+    import quality
+
+    study = quality.Study()
+    starts = {}
+    for arm in quality.ARMS:
+        cfg = quality.train_config(arm, study, tmp_path, tmp_path / "corpus")
+        starts[arm.name] = Path(cfg.model).parent.name if cfg.model.endswith("final") else cfg.model
+        if not arm.is_stage:
+            assert cfg.seq_len == 65536 and cfg.sparse_budget == arm.budget
+    assert starts["base-128"] == "byte-kv-30m" and starts["base-16k"] == "base-4k"
+    assert starts["dense-64k"] == starts["topk64-64k-s1"] == "base-16k"
+    assert starts["ext-dense-64k"] == starts["ext-topk64-64k"] == "base-4k"
