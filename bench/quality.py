@@ -104,6 +104,7 @@ class Study:
 
     model: str = "byte-kv-30m"
     rope_theta: float = 5e6  # a base that serves 64K ("Base of RoPE bounds context length")
+    short_rope_theta: float = 1e4  # a short-context model's (serves ~2K-4K): the extension arms' start
     recall_keys: int = 256
     recall_values: int = 256
     # the curriculum (STAGES), each at a constant learning rate after its warm-up
@@ -177,7 +178,9 @@ class Arm:
     seed: int = 0  # added to the study's seed (data order): a replicate
     extra: bool = False  # a replicate: run when named in --arms (or --arms all)
     design: Design | None = None  # an entrant of the race for base-128
-    start: str = ""  # a 64K arm's base stage other than the last (the 4K -> 64K extension)
+    start: str = ""  # the arm it starts from, where not the curriculum's order (the 4K -> 64K extension)
+    shape: str = ""  # a stage whose sequences, steps, stop and gate this arm has, outside the curriculum
+    rope: str = ""  # a RoPE base set at its start: 'short' (Study.short_rope_theta), 'long' (rope_theta)
 
     @property
     def attention(self) -> str:
@@ -185,17 +188,24 @@ class Arm:
 
     @property
     def is_stage(self) -> bool:
-        return self.name in STAGES
+        return self.name in STAGES or bool(self.shape)
+
+    @property
+    def stage_name(self) -> str:
+        """The stage whose settings (Study.stages) a stage-like arm trains with."""
+        return self.shape or self.name
 
     @property
     def extends(self) -> str:
         """The arm whose final model this one starts from ('' : from scratch)."""
         if self.design is not None:
             return ""
+        if self.start:
+            return self.start
         if self.is_stage:
             i = STAGES.index(self.name)
             return STAGES[i - 1] if i else ""
-        return self.start or STAGES[-1]
+        return STAGES[-1]
 
 
 def label(budget: int, dense_layers: str = "") -> str:
@@ -217,10 +227,15 @@ ARMS = [
     Arm("neg-64k", "top-k 1 page, the sink only (negative control)", budget=1),
     Arm("dense-64k-s1", "dense, another data order", seed=1, extra=True),
     Arm("topk64-64k-s1", "top-k 64 pages, another data order", budget=64, seed=1, extra=True),
-    # a user's flow: a model trained at 4K extended to 64K by training there, densely or with top-k
-    Arm("ext-dense-64k", "dense, from base-4k (4K extended to 64K)", start="base-4k", extra=True),
-    Arm("ext-topk64-64k", "top-k 64 pages, from base-4k (4K extended to 64K)", budget=64, start="base-4k",
-        extra=True),
+    # a user's flow: a 4K model with a short RoPE base (short-4k: base-1k moved to base 1e4 and trained
+    # at 4K as base-4k is) extended to 64K by raising the base (--rope-theta) and training there,
+    # densely or with top-k
+    Arm("short-4k", "dense, 4K-token sequences, RoPE base 1e4 (the extension arms' start)", start="base-1k",
+        shape="base-4k", rope="short", extra=True),
+    Arm("ext-dense-64k", "dense, from short-4k with RoPE base 5e6 (4K extended to 64K)", start="short-4k",
+        rope="long", extra=True),
+    Arm("ext-topk64-64k", "top-k 64 pages, from short-4k with RoPE base 5e6 (4K extended to 64K)", budget=64,
+        start="short-4k", rope="long", extra=True),
 ]
 BY_NAME = {a.name: a for a in ARMS}
 RACE_PREFIX = "race-"
@@ -269,7 +284,7 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         shape = dict(seq_len=d.seq_len, batch=d.batch, steps=study.race_steps, lr=d.lr, warmup_steps=d.warmup,
                      lr_schedule="constant", recall_pairs=d.pairs, eval_every=study.stage_eval_every)
     elif arm.is_stage:
-        st = study.stage(arm.name)
+        st = study.stage(arm.stage_name)
         shape = dict(seq_len=st.seq_len, batch=st.batch, steps=st.steps, lr=st.lr, warmup_steps=st.warmup,
                      lr_schedule="constant", recall_pairs=st.pairs, eval_every=study.stage_eval_every)
     else:
@@ -281,10 +296,18 @@ def train_config(arm: Arm, study: Study, work: Path, data: Path):
         data=str(data / "train.npy"), eval_data=str(data / "heldout.npy"), **shape,
         weight_decay=study.weight_decay, chunk_size=min(study.chunk_size, shape["seq_len"]),
         page_size=study.page_size, sparse_budget=study.pages(arm.budget), sparse_dense_layers=arm.dense_layers,
-        sparse_sink_pages=1, rope_theta=None if arm.extends else study.rope_theta,
+        sparse_sink_pages=1, rope_theta=rope_theta(arm, study),
         recall_keys=study.recall_keys, recall_values=study.recall_values, output_dir=str(out),
         save_every=study.save_every, eval_batches=study.eval_batches, resume="auto", seed=study.seed + arm.seed,
         device=study.device, backend=study.backend)
+
+
+def rope_theta(arm: Arm, study: Study) -> float | None:
+    """The RoPE base an arm sets at its start: the study's from scratch, the arm's own (a context
+    extension), else None (its base model's)."""
+    if arm.rope:
+        return {"short": study.short_rope_theta, "long": study.rope_theta}[arm.rope]
+    return None if arm.extends else study.rope_theta
 
 
 def mean_recall(recall: dict) -> float:
@@ -315,7 +338,7 @@ class StopAt:
 def time_box(arm: Arm, study: Study) -> float:
     if arm.design is not None:
         return study.race_seconds
-    return study.stage(arm.name).seconds if arm.is_stage else float("inf")
+    return study.stage(arm.stage_name).seconds if arm.is_stage else float("inf")
 
 
 def evaluations(arm: Arm) -> list[tuple[str, int, str]]:

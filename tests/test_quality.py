@@ -165,7 +165,7 @@ def test_an_arm_whose_configuration_is_refused_stops_the_study_before_anything_s
 
 def test_every_arm_of_the_full_study_has_a_configuration(tmp_path):
     """Each arm of `--arms all` at the full settings (not the smoke test's) builds its TrainConfig;
-    the 64K arms start from base-16k's final model, the 4K -> 64K extension arms from base-4k's."""
+    the 64K arms start from base-16k's final model, the 4K -> 64K extension arms from short-4k's."""
     sys.path.insert(0, os.path.join(ROOT, "bench"))
     import quality
 
@@ -178,4 +178,12 @@ def test_every_arm_of_the_full_study_has_a_configuration(tmp_path):
             assert cfg.seq_len == 65536 and cfg.sparse_budget == arm.budget
     assert starts["base-128"] == "byte-kv-30m" and starts["base-16k"] == "base-4k"
     assert starts["dense-64k"] == starts["topk64-64k-s1"] == "base-16k"
-    assert starts["ext-dense-64k"] == starts["ext-topk64-64k"] == "base-4k"
+    assert starts["short-4k"] == "base-1k" and starts["ext-dense-64k"] == starts["ext-topk64-64k"] == "short-4k"
+    # the extension: a 4K model with a short RoPE base, raised for 64K; the curriculum keeps its base
+    thetas = {a.name: quality.train_config(a, study, tmp_path, tmp_path).rope_theta for a in quality.ARMS}
+    assert thetas["short-4k"] == study.short_rope_theta and thetas["ext-topk64-64k"] == study.rope_theta
+    assert thetas["base-128"] == study.rope_theta and thetas["base-1k"] is None and thetas["dense-64k"] is None
+    short = quality.train_config(quality.BY_NAME["short-4k"], study, tmp_path, tmp_path)
+    base4k = quality.train_config(quality.BY_NAME["base-4k"], study, tmp_path, tmp_path)
+    assert (short.seq_len, short.batch, short.steps) == (base4k.seq_len, base4k.batch, base4k.steps)
+    assert quality.time_box(quality.BY_NAME["short-4k"], study) == study.stage("base-4k").seconds
