@@ -156,3 +156,15 @@ def test_master_weights_refused_on_fp32_weights_before_compute(tmp_path):
     with pytest.raises(ValueError, match=r"the weights are float32 here \(--dtype auto on the CPU\)"):
         train(TrainConfig(**{**SMALL, "dtype": "auto"}, master_weights="float32", output_dir=str(tmp_path / "r")))
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_fp32_weights_on_cuda_point_to_master_weights():
+    """A full-parameter run with fp32 weights on CUDA (where bf16 is the default) prints what it
+    costs and the setting that keeps fp32 masters at bf16 speed; bf16, LoRA and the CPU print nothing."""
+    from oomb.train.checks import float32_note
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    note = float32_note(TrainConfig(dtype="float32"), cuda)
+    assert "~40x slower" in note and "--dtype bfloat16 --master-weights float32" in note
+    assert float32_note(TrainConfig(dtype="auto"), cuda) == float32_note(TrainConfig(dtype="auto"), cpu) == ""
+    assert float32_note(TrainConfig(dtype="float32", lora_rank=8), cuda) == ""

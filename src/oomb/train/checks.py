@@ -21,6 +21,17 @@ def weight_dtype(cfg: TrainConfig, device: torch.device) -> torch.dtype:
             "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
 
 
+def float32_note(cfg: TrainConfig, device: torch.device) -> str:
+    """The line a full-parameter run with fp32 weights on CUDA prints: its cost, and the setting
+    that keeps fp32 weights at bf16 speed ('' otherwise)."""
+    if device.type != "cuda" or weight_dtype(cfg, device) != torch.float32 or cfg.lora_rank:
+        return ""
+    return ("oomb train: note: float32 weights on CUDA run the projections as full fp32 GEMMs and the attention "
+            "kernels at fp32 precision, without bf16 tensor cores: ~40x slower a step than bfloat16 (byte-lm-30m, "
+            "16 x 4K, H200); --dtype bfloat16 --master-weights float32 keeps fp32 master weights and optimizer "
+            "state and computes in bf16")
+
+
 def check_model_fits(cfg: TrainConfig, device: torch.device, dp_size: int = 1) -> None:
     """Refuse, before the model is built, one whose weights, gradients and optimizer state (as the
     memory plan counts them: oomb.plan) exceed the memory `device` has free (CPU: the host's

@@ -35,7 +35,7 @@ from ..models.rope import check_positions
 from ..presets import load_model
 from . import checkpoint
 from .callbacks import CallbackList, trackers
-from .checks import check_finite_weights, check_model_fits, resume_note, weight_dtype
+from .checks import check_finite_weights, check_model_fits, float32_note, resume_note, weight_dtype
 from .config import TrainConfig
 from .data import NeedleMix, make_data
 from .export import base_of
@@ -468,6 +468,8 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
               "change; use --master-weights float32, --optimizer adamw8bit (stochastic rounding), --dtype float32 or "
               "--lora-rank",
               flush=True)
+    if rank0 and (note := float32_note(cfg, device)):
+        print(note, flush=True)
     if rank0:
         print(first_line(run, how, zero, compile_layers), flush=True)
     return run
