@@ -413,6 +413,8 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
     if why := refusal(cfg, weight_dtype(cfg, device), zero):
         raise ValueError(why)
     check_model_fits(cfg, device, dp_size)
+    if rank0 and (note := float32_note(cfg, device)):
+        print(note, flush=True)
     model = build_model(cfg, device)
     cpu_threads(model.config, device)
     if mesh is not None and cfg.tp > 1:
@@ -468,8 +470,6 @@ def set_up(cfg: TrainConfig, kernels: KernelOptions | None, mesh, rank0: bool) -
               "change; use --master-weights float32, --optimizer adamw8bit (stochastic rounding), --dtype float32 or "
               "--lora-rank",
               flush=True)
-    if rank0 and (note := float32_note(cfg, device)):
-        print(note, flush=True)
     if rank0:
         print(first_line(run, how, zero, compile_layers), flush=True)
     return run
