@@ -498,7 +498,7 @@ def first_line(run: Run, how: str, zero: bool, compile_layers: bool) -> str:
             f"{'compiled layers, ' if compile_layers else ''}{kept_attention(engine)}"
             f"optimizer {cfg.optimizer}{', fp32 master weights' if run.masters is not None else ''}"
             f"{', fp32 gradient sums' if engine.summed_params() else ''}, "
-            f"{cfg.steps} steps")
+            f"{cfg.steps} step{'s' if cfg.steps != 1 else ''}")
 
 
 def train_loop(run: Run, hooks: CallbackList) -> list[float]:
