@@ -2,7 +2,6 @@
 that match transformers with fp32 weights under bf16 autocast, exact resume, the plan's bytes and
 the refusals."""
 import json
-from pathlib import Path
 
 import pytest
 import torch

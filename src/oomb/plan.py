@@ -248,8 +248,6 @@ def lora_params(config, rank: int, tp: int = 1, targets: tuple[str, ...] | None 
     --lora-rank` adapts, the family's lora_targets), on one rank of tensor-parallel degree `tp`: a
     column-parallel projection's B is split with it, a row-parallel one's A (oomb.parallel); the
     other factor is whole on every rank."""
-    from .models import adapter_class
-
     hidden, head_dim = config.hidden_size, head_dim_of(config)
     q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
     inter = config.intermediate_size
