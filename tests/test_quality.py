@@ -170,20 +170,18 @@ def test_every_arm_of_the_full_study_has_a_configuration(tmp_path):
     import quality
 
     study = quality.Study()
-    starts = {}
+    cfgs = {arm.name: quality.train_config(arm, study, tmp_path, tmp_path / "corpus") for arm in quality.ARMS}
+    starts = {n: Path(c.model).parent.name if c.model.endswith("final") else c.model for n, c in cfgs.items()}
     for arm in quality.ARMS:
-        cfg = quality.train_config(arm, study, tmp_path, tmp_path / "corpus")
-        starts[arm.name] = Path(cfg.model).parent.name if cfg.model.endswith("final") else cfg.model
         if not arm.is_stage:
-            assert cfg.seq_len == 65536 and cfg.sparse_budget == arm.budget
+            assert cfgs[arm.name].seq_len == 65536 and cfgs[arm.name].sparse_budget == arm.budget
     assert starts["base-128"] == "byte-kv-30m" and starts["base-16k"] == "base-4k"
     assert starts["dense-64k"] == starts["topk64-64k-s1"] == "base-16k"
     assert starts["short-4k"] == "base-1k" and starts["ext-dense-64k"] == starts["ext-topk64-64k"] == "short-4k"
     # the extension: a 4K model with a short RoPE base, raised for 64K; the curriculum keeps its base
-    thetas = {a.name: quality.train_config(a, study, tmp_path, tmp_path).rope_theta for a in quality.ARMS}
+    thetas = {n: c.rope_theta for n, c in cfgs.items()}
     assert thetas["short-4k"] == study.short_rope_theta and thetas["ext-topk64-64k"] == study.rope_theta
     assert thetas["base-128"] == study.rope_theta and thetas["base-1k"] is None and thetas["dense-64k"] is None
-    short = quality.train_config(quality.BY_NAME["short-4k"], study, tmp_path, tmp_path)
-    base4k = quality.train_config(quality.BY_NAME["base-4k"], study, tmp_path, tmp_path)
+    short, base4k = cfgs["short-4k"], cfgs["base-4k"]
     assert (short.seq_len, short.batch, short.steps) == (base4k.seq_len, base4k.batch, base4k.steps)
     assert quality.time_box(quality.BY_NAME["short-4k"], study) == study.stage("base-4k").seconds
